@@ -1,0 +1,60 @@
+"""Artifact folders and their small JSON manifests.
+
+Stages talk through files: each writes its outputs into a folder (or a metrics JSON) and
+`write_json` puts them in place atomically, so a killed stage never leaves a half-written file
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Write `data` as indented JSON via a temporary file and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=False, default=str)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+@contextmanager
+def staged_dir(final: Path):
+    """Yield a fresh temporary folder beside `final`; on success it replaces `final` whole."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def fingerprint(parts: Iterable[bytes | str]) -> str:
+    """sha256 over a sequence of byte strings (or str), each length-prefixed."""
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()

@@ -1,0 +1,145 @@
+"""The `qad-pipeline` command: `qad-pipeline run` runs the whole flow locally; `stage` runs one stage.
+
+    qad-pipeline run                                   # the demo model, params.yaml defaults
+    qad-pipeline run --base-model org/model --set calibration.num_samples=1000
+    qad-pipeline stage ptq nvfp4_max-mamba_fp8-kv_fp8  # one stage, as `dvc repro` runs it
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, ConfigError, Params, check_recipes, load_params
+from qad_pipeline.layout import Layout
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params file with every default")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),
+]
+BaseOpt = Annotated[
+    str | None, typer.Option("--base-model", help="base model: local folder or hub id (base_model.path)")
+]
+RootOpt = Annotated[Path, typer.Option("--out-root", help="folder that receives artifacts/ and metrics/")]
+
+
+class Stage(str, Enum):
+    calibration = "calibration"
+    baseline = "baseline"
+    ptq = "ptq"
+    selection = "selection"
+
+
+def resolve_params(params_file: Path, overrides: list[str] | None, base_model: str | None) -> Params:
+    items = list(overrides or [])
+    if base_model:
+        items.append(f"base_model.path={base_model}")
+    return load_params(params_file, items)
+
+
+def preflight(params: Params) -> None:
+    """Every check that needs no model weights: recipes, base model config, sequence lengths, tasks."""
+    from qad_pipeline.modeling import check_base_model
+    from qad_pipeline.tasks.evaluate import check_tasks
+
+    check_recipes(params)
+    check_base_model(
+        params.base_model,
+        {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len},
+    )
+    check_tasks(params.eval)
+
+
+def _fail(err: Exception) -> None:
+    typer.echo(f"error: {err}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = PROJECT_ROOT,
+) -> None:
+    """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        preflight(params)
+    except ConfigError as err:
+        _fail(err)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from qad_pipeline.flows.pipeline import qad_pipeline
+    from qad_pipeline.report import recipe_table_text
+
+    items = list(overrides or []) + ([f"base_model.path={base_model}"] if base_model else [])
+    summary = qad_pipeline(params_file=str(params_file), overrides=items, out_root=str(out_root))
+    typer.echo(recipe_table_text(summary))
+    if summary["selection"]["selected"] is None:
+        raise typer.Exit(1)
+
+
+@app.command()
+def stage(
+    name: Annotated[Stage, typer.Argument(help="stage to run")],
+    recipe: Annotated[str | None, typer.Argument(help="recipe name (ptq only)")] = None,
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = PROJECT_ROOT,
+) -> None:
+    """Run one stage by itself; the flow's tasks and `dvc repro` call exactly this."""
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        if name is Stage.ptq:
+            if recipe is None:
+                raise ConfigError(f"stage ptq needs a recipe name: one of {params.ptq.recipes}")
+            if recipe not in params.ptq.recipes:
+                raise ConfigError(f"unknown recipe {recipe!r}: ptq.recipes lists {params.ptq.recipes}")
+            check_recipes(params)
+    except ConfigError as err:
+        _fail(err)
+    layout = Layout(Path(out_root))
+    try:
+        run_stage(name, params, layout, recipe)
+    except ConfigError as err:
+        _fail(err)
+
+
+def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
+    import qad_pipeline  # noqa: F401  (installs the CPU NVFP4 kernels when there is no GPU)
+
+    if name is Stage.calibration:
+        from qad_pipeline.modeling import load_tokenizer
+        from qad_pipeline.tasks.calibration import build_calibration
+
+        manifest = build_calibration(params, load_tokenizer(params.base_model), layout.data)
+        typer.echo(
+            f"calibration: {manifest['calibration']['samples']} samples x {manifest['calibration']['seq_len']} "
+            f"tokens, fingerprint {manifest['calibration']['fingerprint'][:12]}"
+        )
+    elif name is Stage.baseline:
+        from qad_pipeline.tasks.evaluate import run_baseline
+
+        run_baseline(params, layout.data, layout.baseline_metrics)
+    elif name is Stage.ptq:
+        from qad_pipeline.tasks.ptq import run_ptq
+
+        result = run_ptq(params, recipe, layout.data, layout.ptq(recipe))
+        typer.echo(f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element")
+    elif name is Stage.selection:
+        from qad_pipeline.tasks.selection import run_selection
+
+        typer.echo(run_selection(params, layout).reason)
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,171 @@
+"""The pipeline's configuration: `params.yaml` loaded into pydantic models.
+
+`params.yaml` is the one source of defaults. `load_params` reads it, applies `section.key=value`
+overrides (from `qad-pipeline run --set`, Prefect deployment parameters or tests) and validates
+the result; every model forbids unknown keys, so a misspelt key fails with its name.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PARAMS = PROJECT_ROOT / "params.yaml"
+RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input, reported as one line before any heavy work starts."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BaseModelParams(_Section):
+    path: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+class CalibrationParams(_Section):
+    source: str
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    num_samples: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    eval_fraction: float = Field(gt=0, lt=1)
+    seed: int = 0
+
+
+class PTQParams(_Section):
+    recipe_dir: str
+    recipes: list[str] = Field(min_length=1)
+    calib_batch_size: int = Field(gt=0)
+    max_parallel: int = Field(gt=0)
+
+    @field_validator("recipes")
+    @classmethod
+    def _unique_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not RECIPE_NAME.match(name):
+                raise ValueError(f"recipe name {name!r} may hold only letters, digits, '_', '-' and '.'")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"recipes listed twice: {dupes}")
+        return names
+
+
+class EvalParams(_Section):
+    tasks: list[str] = Field(min_length=1)
+    task_dir: str
+    num_cloze: int = Field(gt=0)
+    num_continuation: int = Field(gt=0)
+    limit: int | None = Field(default=None, gt=0)
+    batch_size: int = Field(gt=0)
+    ppl_samples: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+
+
+class SelectionParams(_Section):
+    policy: Literal["qad", "ptq_final"]
+    band: tuple[float, float]
+    ptq_final_min: float = Field(gt=0)
+
+    @field_validator("band")
+    @classmethod
+    def _ordered(cls, band: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < band[0] <= band[1]:
+            raise ValueError(f"band must be [low, high] with 0 < low <= high, got {list(band)}")
+        return band
+
+
+class Params(_Section):
+    base_model: BaseModelParams
+    calibration: CalibrationParams
+    ptq: PTQParams
+    eval: EvalParams
+    selection: SelectionParams
+
+    def recipe_path(self, name: str, root: Path = PROJECT_ROOT) -> Path:
+        return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"
+
+
+def resolve(path: str | Path, root: Path = PROJECT_ROOT) -> Path:
+    """A path from params.yaml: relative paths are relative to the project root."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else root / p
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value), the value parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict, overrides: list[str] | dict[str, Any]) -> dict:
+    """Return a copy of `data` with each override applied; an unknown key is an error."""
+    pairs = (
+        [(k.split("."), v) for k, v in overrides.items()]
+        if isinstance(overrides, dict)
+        else [parse_override(o) for o in overrides]
+    )
+    out = yaml.safe_load(yaml.safe_dump(data))
+    for keys, value in pairs:
+        node = out
+        for depth, key in enumerate(keys):
+            if not isinstance(node, dict) or key not in node:
+                where = ".".join(keys[:depth]) or "params.yaml"
+                valid = sorted(node) if isinstance(node, dict) else []
+                raise ConfigError(f"unknown key {'.'.join(keys)!r}: {where} has {valid}")
+            if depth == len(keys) - 1:
+                node[key] = value
+            else:
+                node = node[key]
+    return out
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    # A misspelt key shows up as one unknown key plus one missing key: name the unknown one.
+    first = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    loc = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key {loc!r} (misspelt? see params.yaml for the valid keys)"
+    if first["type"] == "missing":
+        return f"{source}: missing key {loc!r}"
+    return f"{source}: {loc} = {first.get('input')!r}: {first['msg']}"
+
+
+def load_params(
+    path: Path = DEFAULT_PARAMS, overrides: list[str] | dict[str, Any] | None = None
+) -> Params:
+    """Load and validate params.yaml with overrides applied."""
+    if not Path(path).is_file():
+        raise ConfigError(f"params file {str(path)!r} does not exist")
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if overrides:
+        data = apply_overrides(data, overrides)
+    try:
+        return Params.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, str(path))) from None
+
+
+def check_recipes(params: Params, root: Path = PROJECT_ROOT) -> None:
+    """Every named recipe has its file: an unknown name fails listing the ones that exist."""
+    recipe_dir = resolve(params.ptq.recipe_dir, root)
+    available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))
+    for name in params.ptq.recipes:
+        if not (recipe_dir / f"{name}.yaml").is_file():
+            raise ConfigError(
+                f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"
+            )

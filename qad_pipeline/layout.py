@@ -1,0 +1,41 @@
+"""Where each stage reads and writes, relative to an output root (the project root by default).
+
+One name per thing: the DVC stage, the Prefect task, the artifact folder and the metrics file of
+a stage share its name (`calibration`, `baseline`, `ptq/<recipe>`, `selection`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    @property
+    def data(self) -> Path:
+        return self.root / "artifacts" / "calibration"
+
+    def ptq(self, recipe: str) -> Path:
+        return self.root / "artifacts" / "ptq" / recipe
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def baseline_metrics(self) -> Path:
+        return self.metrics / "baseline.json"
+
+    def ptq_metrics(self, recipe: str) -> Path:
+        return self.metrics / "ptq" / f"{recipe}.json"
+
+    @property
+    def selection_metrics(self) -> Path:
+        return self.metrics / "selection.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "artifacts" / "logs"

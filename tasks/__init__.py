@@ -1,0 +1,1 @@
+"""Pipeline stages: one module per stage, each with one typed core function."""

@@ -1,0 +1,192 @@
+"""Calibration and held-out eval data: `qad-pipeline stage calibration` (flow and `dvc repro`).
+
+Reads the text source through `datasets` (a folder of .txt files, one document each; a .txt,
+.json or .jsonl file; or any Hugging Face dataset id), splits the documents once, by a seeded
+shuffle, into a calibration part and a held-out eval part that never share a document, and writes:
+
+    <out>/calibration/     datasets folder: `num_samples` rows of `seq_len` token ids
+    <out>/eval/ppl/        datasets folder: held-out token windows for perplexity and KL
+    <out>/eval/<task>.jsonl  the project's lm-eval tasks, built from held-out text
+    <out>/manifest.json    source, document split, counts and content fingerprints
+
+Everything is deterministic given the seed, so the fingerprints change only when the data does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import datasets
+import numpy as np
+
+from qad_pipeline.artifacts import fingerprint, staged_dir, write_json
+from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, resolve
+
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
+CONTEXT_WORDS = 60
+
+
+def read_documents(params: CalibrationParams) -> list[str]:
+    """The source's documents, in a stable order, empty ones dropped."""
+    local = resolve(params.source)
+    if local.is_dir():
+        files = sorted(str(p) for p in local.rglob("*.txt"))
+        if not files:
+            raise ConfigError(f"calibration.source {params.source!r} holds no .txt files")
+        ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
+        field = "text"
+    elif local.is_file():
+        if local.suffix in (".json", ".jsonl"):
+            ds, field = datasets.load_dataset("json", data_files=str(local), split="train"), params.text_field
+        else:
+            ds = datasets.load_dataset("text", data_files=str(local), sample_by="paragraph", split="train")
+            field = "text"
+    elif params.source.startswith((".", "/", "~")) or params.source.count("/") > 1:
+        raise ConfigError(f"calibration.source {params.source!r} does not exist (a local path or a hub dataset id)")
+    else:
+        ds = datasets.load_dataset(params.source, params.dataset_config, split=params.split)
+        field = params.text_field
+    if field not in ds.column_names:
+        raise ConfigError(f"calibration.text_field {field!r} is not a column of {params.source!r}: {ds.column_names}")
+    docs = [t.strip() for t in ds[field] if t and t.strip()]
+    if len(docs) < 2:
+        raise ConfigError(
+            f"calibration.source {params.source!r} has {len(docs)} non-empty document(s); "
+            "at least 2 are needed to hold one out for eval"
+        )
+    return docs
+
+
+def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the calibration and eval documents: disjoint, both non-empty, seeded."""
+    order = list(range(n_docs))
+    random.Random(seed).shuffle(order)
+    n_eval = min(max(1, round(n_docs * eval_fraction)), n_docs - 1)
+    return sorted(order[n_eval:]), sorted(order[:n_eval])
+
+
+def token_windows(docs: list[str], tokenizer, seq_len: int) -> np.ndarray:
+    """Concatenate the documents (EOS between them) and cut non-overlapping windows of seq_len."""
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    n = len(ids) // seq_len
+    return np.asarray(ids[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+
+
+def sample_windows(windows: np.ndarray, count: int, seed: int, what: str) -> np.ndarray:
+    if len(windows) < count:
+        raise ConfigError(
+            f"{what}: the text yields {len(windows)} samples of {windows.shape[1] if windows.ndim == 2 else '?'} "
+            f"tokens, fewer than the {count} asked; lower the count or the sequence length, or add text"
+        )
+    pick = np.sort(np.random.default_rng(seed).choice(len(windows), size=count, replace=False))
+    return windows[pick]
+
+
+def sentences(doc: str) -> list[str]:
+    return [s.strip() for s in SENTENCE_END.split(" ".join(doc.split())) if s.strip()]
+
+
+def cloze_items(docs: list[str], count: int, seed: int) -> list[dict]:
+    """Next-word cloze (LAMBADA-style): a passage ending in a sentence, predict its last word."""
+    items = []
+    for d, doc in enumerate(docs):
+        words = " ".join(doc.split()).split(" ")
+        for i in range(CONTEXT_WORDS, len(words)):
+            target = words[i]
+            bare = target.rstrip(".!?")
+            if target != bare and bare.isalpha() and len(bare) > 2:
+                items.append({"doc": d, "context": " ".join(words[i - CONTEXT_WORDS : i]), "target": bare})
+    return _take(items, count, seed, "cloze")
+
+
+def continuation_items(docs: list[str], count: int, seed: int, n_choices: int = 4) -> list[dict]:
+    """Multiple-choice continuation: after a passage, pick the sentence that really follows."""
+    rng = random.Random(seed)
+    per_doc = [sentences(doc) for doc in docs]
+    pool = [s for sents in per_doc for s in sents if 5 <= len(s.split()) <= 40]
+    items = []
+    for d, sents in enumerate(per_doc):
+        for i in range(3, len(sents)):
+            gold = sents[i]
+            if not 5 <= len(gold.split()) <= 40:
+                continue
+            context = " ".join(" ".join(sents[max(0, i - 4) : i]).split(" ")[-CONTEXT_WORDS:])
+            distractors = rng.sample([s for s in pool if s != gold], n_choices - 1)
+            label = rng.randrange(n_choices)
+            choices = distractors[:label] + [gold] + distractors[label:]
+            items.append({"doc": d, "context": context, "choices": choices, "label": label})
+    return _take(items, count, seed, "continuation")
+
+
+def _take(items: list[dict], count: int, seed: int, what: str) -> list[dict]:
+    if not items:
+        raise ConfigError(f"the held-out eval documents yield no {what} items; give more eval text")
+    if len(items) > count:
+        items = random.Random(seed).sample(items, count)
+    return items
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> bytes:
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    path.write_bytes(data)
+    return data
+
+
+def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
+    """Stage core: documents -> calibration samples + held-out eval data, written to out_dir."""
+    cal: CalibrationParams = params.calibration
+    ev: EvalParams = params.eval
+    docs = read_documents(cal)
+    calib_idx, eval_idx = split_documents(len(docs), cal.eval_fraction, cal.seed)
+    calib_docs = [docs[i] for i in calib_idx]
+    eval_docs = [docs[i] for i in eval_idx]
+
+    calib = sample_windows(
+        token_windows(calib_docs, tokenizer, cal.seq_len), cal.num_samples, cal.seed,
+        f"calibration set ({len(calib_docs)} documents)",
+    )
+    ppl_windows = token_windows(eval_docs, tokenizer, ev.seq_len)
+    ppl = ppl_windows[: ev.ppl_samples]
+    if len(ppl) == 0:
+        raise ConfigError(f"the held-out eval documents are shorter than eval.seq_len = {ev.seq_len} tokens")
+    cloze = cloze_items(eval_docs, ev.num_cloze, cal.seed)
+    cont = continuation_items(eval_docs, ev.num_continuation, cal.seed)
+
+    with staged_dir(out_dir) as tmp:
+        datasets.Dataset.from_dict({"input_ids": calib.tolist()}).save_to_disk(str(tmp / "calibration"))
+        (tmp / "eval").mkdir()
+        datasets.Dataset.from_dict({"input_ids": ppl.tolist()}).save_to_disk(str(tmp / "eval" / "ppl"))
+        cloze_bytes = write_jsonl(tmp / "eval" / "heldout_cloze.jsonl", cloze)
+        cont_bytes = write_jsonl(tmp / "eval" / "heldout_continuation.jsonl", cont)
+        manifest = {
+            "source": cal.source,
+            "documents": len(docs),
+            "calibration_documents": calib_idx,
+            "eval_documents": eval_idx,
+            "calibration": {"samples": int(len(calib)), "seq_len": cal.seq_len,
+                            "fingerprint": fingerprint([calib.tobytes()])},
+            "eval": {
+                "ppl_samples": int(len(ppl)), "seq_len": ev.seq_len,
+                "heldout_cloze": len(cloze), "heldout_continuation": len(cont),
+                "fingerprint": fingerprint([ppl.tobytes(), cloze_bytes, cont_bytes]),
+            },
+            "tokenizer": params.base_model.path,
+            "seed": cal.seed,
+        }
+        write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
+def load_calibration(data_dir: Path) -> np.ndarray:
+    return np.asarray(datasets.load_from_disk(str(Path(data_dir) / "calibration"))["input_ids"], dtype=np.int64)
+
+
+def load_ppl_windows(data_dir: Path) -> np.ndarray:
+    return np.asarray(datasets.load_from_disk(str(Path(data_dir) / "eval" / "ppl"))["input_ids"], dtype=np.int64)

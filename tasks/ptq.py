@@ -1,0 +1,110 @@
+"""Post-training quantization with one recipe: `qad-pipeline stage ptq RECIPE`.
+
+Loads the BF16 base model, records its next-token distribution on the held-out windows (the
+reference for KL divergence), quantizes and calibrates it with Model Optimizer
+(`mtq.quantize` with the recipe file's own config, calibration samples from the calibration
+stage), then evaluates it and writes:
+
+    <out>/checkpoint/   the fake-quantized model, saved with its quantizers and calibrated
+                        scales (Model Optimizer's Hugging Face checkpointing), for QAD
+    <out>/scores.json   status, per-task scores, KL, effective bits per element, size
+
+Each recipe runs in its own process (the flow starts one per recipe), so a recipe that crashes
+or runs out of memory takes only itself down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from qad_pipeline.artifacts import staged_dir, write_json
+from qad_pipeline.config import Params
+from qad_pipeline.modeling import load_model, load_tokenizer
+from qad_pipeline.sizes import kv_cache_format, size_report
+from qad_pipeline.tasks.calibration import load_calibration, load_ppl_windows
+from qad_pipeline.tasks.evaluate import evaluate_model, next_token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+def load_quantize_config(recipe_path: Path):
+    """The recipe's quantize section, through Model Optimizer's own recipe loader."""
+    from modelopt.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path)
+    quantize = getattr(recipe, "quantize", None)
+    if quantize is None:
+        raise ValueError(f"{recipe_path} is not a PTQ recipe (no 'quantize' section)")
+    return quantize
+
+
+def calibration_loop(samples: torch.Tensor, batch_size: int):
+    """Model Optimizer's forward_loop: run the calibration samples through the model."""
+
+    def forward_loop(model) -> None:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            for i in range(0, len(samples), batch_size):
+                model(input_ids=samples[i : i + batch_size].to(device))
+
+    return forward_loop
+
+
+def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: int):
+    import modelopt.torch.quantization as mtq
+
+    return mtq.quantize(model, load_quantize_config(recipe_path), calibration_loop(samples, batch_size))
+
+
+def save_quantized(model, tokenizer, folder: Path) -> None:
+    """Save with quantizer state so `load_model` + Model Optimizer restore it without recalibrating."""
+    import modelopt.torch.opt as mto
+
+    mto.enable_huggingface_checkpointing()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def run_ptq(params: Params, recipe: str, data_dir: Path, out_dir: Path) -> dict:
+    """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores."""
+    started = time.time()
+    model, tokenizer = load_model(params.base_model), load_tokenizer(params.base_model)
+    windows = torch.from_numpy(load_ppl_windows(data_dir))
+    reference = next_token_logprobs(model, windows, params.eval.batch_size)
+
+    samples = torch.from_numpy(load_calibration(data_dir))
+    t0 = time.time()
+    quantize_model(model, params.recipe_path(recipe), samples, params.ptq.calib_batch_size)
+    quantize_s = time.time() - t0
+    sizes = size_report(model)
+
+    t0 = time.time()
+    scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference)
+    eval_s = time.time() - t0
+    result = {
+        "recipe": recipe,
+        "status": "ok",
+        **scores,
+        "effective_bpe": sizes["effective_bpe"],
+        "size_bytes": sizes["size_bytes"],
+        "bf16_size_bytes": sizes["bf16_size_bytes"],
+        "kv_cache": kv_cache_format(model),
+        "elements_by_format": sizes["elements_by_format"],
+        "layer_formats": sizes["layer_formats"],
+        "timing_s": {"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+    with staged_dir(out_dir) as tmp:
+        save_quantized(model, tokenizer, tmp / "checkpoint")
+        write_json(tmp / "scores.json", result)
+    return result
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,46 @@
+"""params.yaml loading, overrides and the bad-input messages."""
+
+import pytest
+
+from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, check_recipes, load_params
+
+
+def test_defaults_load_and_name_five_recipes_with_files():
+    params = load_params()
+    assert len(params.ptq.recipes) == 5
+    check_recipes(params)
+
+
+def test_override_is_typed():
+    params = load_params(overrides=["calibration.num_samples=7", "selection.band=[0.9, 0.98]"])
+    assert params.calibration.num_samples == 7
+    assert params.selection.band == (0.9, 0.98)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("calibration.num_sample=3", "unknown key 'calibration.num_sample'"),
+        ("calibrate.seq_len=3", "unknown key 'calibrate.seq_len'"),
+        ("calibration.seq_len=-1", "calibration.seq_len = -1"),
+        ("selection.policy=best", "selection.policy = 'best'"),
+        ("noequals", "not of the form section.key=value"),
+    ],
+)
+def test_bad_override_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[")):
+        load_params(overrides=[override])
+
+
+def test_misspelt_key_in_params_file(tmp_path):
+    bad = tmp_path / "params.yaml"
+    text = DEFAULT_PARAMS.read_text().replace("num_samples:", "num_sampels:")
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match="unknown key 'calibration.num_sampels'"):
+        load_params(bad)
+
+
+def test_unknown_recipe_lists_available():
+    params = load_params(overrides={"ptq.recipes": ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_typo"]})
+    with pytest.raises(ConfigError, match=r"unknown recipe 'nvfp4_typo'.*available: \["):
+        check_recipes(params)
