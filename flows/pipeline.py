@@ -57,29 +57,25 @@ def run_stage_process(stage: list[str], params_file: str, overrides: list[str], 
 
 
 @task(name="calibration")
-def calibration(params_file: str, overrides: list[str], layout: Layout) -> dict:
-    run_stage_process(["calibration"], params_file, overrides, layout)
-    return read_json(layout.data / "manifest.json")
+def calibration(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["calibration"], params_file, overrides, layout)
 
 
 @task(name="baseline")
-def baseline(params_file: str, overrides: list[str], layout: Layout, data: dict) -> dict:
-    run_stage_process(["baseline"], params_file, overrides, layout)
-    return read_json(layout.baseline_metrics)
+def baseline(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["baseline"], params_file, overrides, layout)
 
 
 @task(name="ptq", task_run_name="ptq-{recipe}")
-def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, data: dict, max_parallel: int) -> dict:
+def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int) -> float:
     slots = _ptq_slots.setdefault(max_parallel, threading.Semaphore(max_parallel))
     with slots:
-        run_stage_process(["ptq", recipe], params_file, overrides, layout)
-    return read_json(layout.ptq(recipe) / "scores.json")
+        return run_stage_process(["ptq", recipe], params_file, overrides, layout)
 
 
 @task(name="selection")
-def selection(params_file: str, overrides: list[str], layout: Layout) -> dict:
-    run_stage_process(["selection"], params_file, overrides, layout)
-    return read_json(layout.selection_metrics)
+def selection(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["selection"], params_file, overrides, layout)
 
 
 @flow(name="qad-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True)
@@ -92,21 +88,26 @@ def qad_pipeline(
     overrides = list(overrides or [])
     params = load_params(Path(params_file), overrides)
     layout = Layout(Path(out_root))
+    seconds = {"calibration": calibration(params_file, overrides, layout)}
 
-    data = calibration(params_file, overrides, layout)
-    base = baseline.submit(params_file, overrides, layout, data)
+    started = time.time()
+    base = baseline.submit(params_file, overrides, layout)
     recipes = {
-        name: ptq.submit(name, params_file, overrides, layout, data, params.ptq.max_parallel)
+        name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel)
         for name in params.ptq.recipes
     }
     wait([base, *recipes.values()])
-    base.result()  # no baseline, no recovery: a failed baseline fails the flow
-    failed = [name for name, fut in recipes.items() if fut.state.is_failed()]
+    seconds["baseline"] = base.result()  # no baseline, no recovery: a failed baseline fails the flow
+    seconds.update({f"ptq/{n}": f.result() for n, f in recipes.items() if f.state.is_completed()})
+    seconds["baseline+ptq (wall)"] = time.time() - started
+    failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
     if failed:
         get_run_logger().warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
 
-    chosen = selection(params_file, overrides, layout)
-    summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes), "root": str(layout.root)}
+    seconds["selection"] = selection(params_file, overrides, layout)
+    chosen = read_json(layout.selection_metrics)
+    summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
+               "failed": failed, "seconds": seconds, "root": str(layout.root)}
     create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
     create_markdown_artifact(key="recipe-selection", markdown=recipe_table_markdown(summary))
     return summary

@@ -40,6 +40,7 @@ def staged_dir(final: Path):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
+    tmp.chmod(0o755)
     try:
         yield tmp
     except BaseException:

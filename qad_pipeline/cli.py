@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from enum import Enum
 from pathlib import Path
@@ -76,12 +77,19 @@ def run(
         preflight(params)
     except ConfigError as err:
         _fail(err)
+    # A local run talks to Prefect's temporary server unless PREFECT_API_URL names one; offline,
+    # analytics must be off, and on a busy machine the server may need more than 20 s to start.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from qad_pipeline.flows.pipeline import qad_pipeline
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
     from qad_pipeline.report import recipe_table_text
 
     items = list(overrides or []) + ([f"base_model.path={base_model}"] if base_model else [])
-    summary = qad_pipeline(params_file=str(params_file), overrides=items, out_root=str(out_root))
+    try:
+        summary = qad_pipeline(params_file=str(params_file), overrides=items, out_root=str(out_root))
+    except StageFailed as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     typer.echo(recipe_table_text(summary))
     if summary["selection"]["selected"] is None:
         raise typer.Exit(1)
@@ -116,6 +124,12 @@ def stage(
 
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
     import qad_pipeline  # noqa: F401  (installs the CPU NVFP4 kernels when there is no GPU)
+
+    for path in layout.outputs(name.value, recipe):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
     if name is Stage.calibration:
         from qad_pipeline.modeling import load_tokenizer

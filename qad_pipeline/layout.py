@@ -36,6 +36,15 @@ class Layout:
     def selection_metrics(self) -> Path:
         return self.metrics / "selection.json"
 
+    def outputs(self, stage: str, recipe: str | None = None) -> list[Path]:
+        """What a stage writes: removed before it runs, so a failed run leaves no stale result."""
+        return {
+            "calibration": [self.data],
+            "baseline": [self.baseline_metrics],
+            "ptq": [self.ptq(recipe)] if recipe else [],
+            "selection": [self.selection_metrics, self.metrics / "ptq"],
+        }[stage]
+
     @property
     def logs(self) -> Path:
         return self.root / "artifacts" / "logs"

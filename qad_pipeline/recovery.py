@@ -11,17 +11,19 @@ import statistics
 
 
 def task_recovery(quantized: float, baseline: float, higher_is_better: bool) -> float:
-    if baseline <= 0 or quantized <= 0:
+    if baseline <= 0 or quantized < 0 or (quantized == 0 and not higher_is_better):
         raise ValueError(
-            f"recovery needs positive scores, got quantized={quantized} baseline={baseline}"
+            f"recovery needs a positive baseline and a non-negative score, got quantized={quantized} "
+            f"baseline={baseline}"
         )
     return quantized / baseline if higher_is_better else baseline / quantized
 
 
 def recoveries(quantized: dict[str, dict], baseline: dict[str, dict]) -> dict[str, float]:
-    """Per-task recovery for every task both score tables share.
+    """Per-task recovery for every baseline task that has a positive BF16 score.
 
-    Each table maps task name -> {"value": float, "higher_is_better": bool, ...}.
+    Each table maps task name -> {"value": float, "higher_is_better": bool, ...}. A task the BF16
+    model scores 0 on says nothing about what quantization lost, so it has no recovery.
     """
     missing = sorted(set(baseline) - set(quantized))
     if missing:
@@ -29,6 +31,7 @@ def recoveries(quantized: dict[str, dict], baseline: dict[str, dict]) -> dict[st
     return {
         task: task_recovery(quantized[task]["value"], base["value"], base["higher_is_better"])
         for task, base in baseline.items()
+        if base["value"] > 0
     }
 
 

@@ -87,7 +87,9 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
     device = str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=device)
-    out = simple_evaluate(model=lm, tasks=specs, limit=params.limit, log_samples=False, verbosity="WARNING")
+    out = simple_evaluate(
+        model=lm, tasks=specs, limit=params.limit, log_samples=False, bootstrap_iters=0, verbosity="WARNING"
+    )
     return {
         name: primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}), metric_orders[name])
         for name in params.tasks

@@ -96,6 +96,8 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, out_dir: Path) -> dict:
         "elements_by_format": sizes["elements_by_format"],
         "layer_formats": sizes["layer_formats"],
         "timing_s": {"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
+        "started_at": started,
+        "finished_at": time.time(),
         "peak_rss_mb": _peak_rss_mb(),
     }
     with staged_dir(out_dir) as tmp:

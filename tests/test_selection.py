@@ -71,3 +71,9 @@ def test_failed_recipes_are_left_out_and_named():
     assert sel.selected == "a"
     assert "oom" in sel.reason
     assert select_recipe([RecipeRow("oom", "failed")], QAD).selected is None
+
+
+def test_task_the_baseline_cannot_solve_has_no_recovery():
+    base = {"zero": {"value": 0.0, "higher_is_better": True}, "a": {"value": 0.5, "higher_is_better": True}}
+    quant = {"zero": {"value": 0.0, "higher_is_better": True}, "a": {"value": 0.0, "higher_is_better": True}}
+    assert recoveries(quant, base) == {"a": 0.0}

@@ -1,0 +1,93 @@
+"""Benchmark the PTQ half of the DAG: `python benchmarks/ptq_bench.py [--out-root DIR]`.
+
+Prints, on the bundled demo model with the params.yaml defaults:
+  * the wall time of each stage of one pipeline run (recipes in parallel);
+  * the baseline + five recipes phase in parallel versus one recipe after another;
+  * the peak resident memory of each PTQ worker process;
+  * the forward time of the fake-quantized model versus the BF16 model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import load_params
+from qad_pipeline.layout import Layout
+
+
+def run_flow(root: Path, overrides: list[str]) -> dict:
+    from qad_pipeline.flows.pipeline import qad_pipeline
+
+    return qad_pipeline(overrides=overrides, out_root=str(root))
+
+
+def forward_ms(model, batch: torch.Tensor, repeats: int = 5) -> float:
+    times = []
+    with torch.no_grad():
+        model(input_ids=batch)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(input_ids=batch)
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def forward_times(params, layout: Layout) -> dict[str, float]:
+    import qad_pipeline  # noqa: F401
+    from qad_pipeline.modeling import load_model
+    from qad_pipeline.tasks.calibration import load_calibration
+    from qad_pipeline.tasks.ptq import quantize_model
+
+    samples = torch.from_numpy(load_calibration(layout.data))
+    batch = samples[: params.ptq.calib_batch_size]
+    out = {"bf16": forward_ms(load_model(params.base_model), batch)}
+    for recipe in (params.ptq.recipes[0], params.ptq.recipes[-1]):
+        model = load_model(params.base_model)
+        quantize_model(model, params.recipe_path(recipe), samples, params.ptq.calib_batch_size)
+        out[recipe] = forward_ms(model, batch)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-root", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    root = args.out_root or Path(tempfile.mkdtemp(prefix="qad-bench-"))
+    params = load_params()
+    n = len(params.ptq.recipes)
+
+    parallel = run_flow(root / "parallel", [f"ptq.max_parallel={n}"])
+    sequential = run_flow(root / "sequential", ["ptq.max_parallel=1"])
+
+    print(f"\n== stage wall times, one run with {n} recipes in parallel (s) ==")
+    for stage, s in parallel["seconds"].items():
+        print(f"{stage:<45} {s:8.1f}")
+    par, seq = parallel["seconds"]["baseline+ptq (wall)"], sequential["seconds"]["baseline+ptq (wall)"]
+    print(f"\n== baseline + {n} PTQ recipes ==")
+    print(f"in parallel (max_parallel={n}): {par:8.1f} s")
+    print(f"one after another (max_parallel=1): {seq:8.1f} s   speed-up x{seq / par:.2f} on {os.cpu_count()} CPUs")
+
+    print("\n== PTQ worker peak memory (RSS, MB) ==")
+    layout = Layout(root / "parallel")
+    for recipe in params.ptq.recipes:
+        path = layout.ptq(recipe) / "scores.json"
+        if path.is_file():
+            print(f"{recipe:<45} {read_json(path)['peak_rss_mb']:8.0f}")
+
+    print(f"\n== forward pass, batch {params.ptq.calib_batch_size} x {params.calibration.seq_len} tokens (ms, median of 5) ==")
+    times = forward_times(params, layout)
+    for name, ms in times.items():
+        print(f"{name:<45} {ms:8.1f}   x{ms / times['bf16']:.2f} vs bf16")
+
+
+if __name__ == "__main__":
+    main()
