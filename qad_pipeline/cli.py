@@ -37,6 +37,9 @@ class Stage(str, Enum):
     baseline = "baseline"
     ptq = "ptq"
     selection = "selection"
+    qad = "qad"
+    final_eval = "final_eval"
+    export = "export"
 
 
 def resolve_params(params_file: Path, overrides: list[str] | None, base_model: str | None) -> Params:
@@ -153,6 +156,25 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
         from qad_pipeline.tasks.selection import run_selection
 
         typer.echo(run_selection(params, layout).reason)
+    elif name is Stage.qad:
+        from qad_pipeline.artifacts import read_json
+        from qad_pipeline.tasks.qad import run_qad
+
+        selected = read_json(layout.selection_metrics)["selected"]
+        if selected is None:
+            raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
+        result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+        typer.echo(f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}")
+    elif name is Stage.final_eval:
+        from qad_pipeline.tasks.final_eval import run_final_eval
+
+        m = run_final_eval(params, layout)
+        typer.echo(f"final eval: QAD median recovery {m['median_recovery']:.4f} vs PTQ {m['ptq_median_recovery']:.4f}")
+    elif name is Stage.export:
+        from qad_pipeline.tasks.export import run_export
+
+        m = run_export(params, layout)
+        typer.echo(f"export: {m['path']} ({m['size_bytes'] / 1e6:.2f} MB, {m['effective_bpe']:.3f} bits per element)")
 
 
 def main() -> None:  # pragma: no cover

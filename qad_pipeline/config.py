@@ -87,12 +87,28 @@ class SelectionParams(_Section):
         return band
 
 
+class QADParams(_Section):
+    steps: int = Field(gt=0)
+    lr: float = Field(gt=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(ge=0)
+    weight_decay: float = Field(ge=0)
+    batch_size: int = Field(gt=0)
+    grad_accum: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    temperature: float = Field(gt=0)
+    source: str | None = None
+    checkpoint_every: int = Field(gt=0)
+    seed: int = 0
+
+
 class Params(_Section):
     base_model: BaseModelParams
     calibration: CalibrationParams
     ptq: PTQParams
     eval: EvalParams
     selection: SelectionParams
+    qad: QADParams
 
     def recipe_path(self, name: str, root: Path = PROJECT_ROOT) -> Path:
         return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"

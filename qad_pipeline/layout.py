@@ -22,6 +22,18 @@ class Layout:
         return self.root / "artifacts" / "ptq" / recipe
 
     @property
+    def qad(self) -> Path:
+        return self.root / "artifacts" / "qad"
+
+    @property
+    def qad_checkpoints(self) -> Path:
+        return self.root / "artifacts" / "qad_checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "artifacts" / "export"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics"
 
@@ -36,13 +48,28 @@ class Layout:
     def selection_metrics(self) -> Path:
         return self.metrics / "selection.json"
 
+    @property
+    def qad_metrics(self) -> Path:
+        return self.metrics / "qad.json"
+
+    @property
+    def export_metrics(self) -> Path:
+        return self.metrics / "export.json"
+
     def outputs(self, stage: str, recipe: str | None = None) -> list[Path]:
-        """What a stage writes: removed before it runs, so a failed run leaves no stale result."""
+        """What a stage writes: removed before it runs, so a failed run leaves no stale result.
+
+        QAD's checkpoints are not listed: they must survive a crash so that the re-run resumes.
+        The export folder is not listed either: the export stage checks what it holds itself.
+        """
         return {
             "calibration": [self.data],
             "baseline": [self.baseline_metrics],
             "ptq": [self.ptq(recipe)] if recipe else [],
             "selection": [self.selection_metrics, self.metrics / "ptq"],
+            "qad": [self.qad],
+            "final_eval": [self.qad_metrics],
+            "export": [self.export_metrics],
         }[stage]
 
     @property

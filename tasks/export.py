@@ -1,0 +1,324 @@
+"""Export and verification: `qad-pipeline stage export`.
+
+Exports the QAD student with Model Optimizer's `export_hf_checkpoint` (a unified Hugging Face
+checkpoint: `hf_quant_config.json`, packed NVFP4 weights with FP8 block scales and FP32 global
+scales) and verifies it before the folder is put in place:
+
+a. formats: every layer is stored in the format its recipe asked for (no silent NVFP4 -> FP8 or
+   -> BF16, `lm_head` included), and the quantization config names exactly the quantized layers;
+b. size: effective bits per element and bytes, computed from the safetensors themselves, match
+   what the recipe implies (within 1 %); the size ratio versus BF16 is reported;
+c. reload: the exported weights, unpacked and dequantized with Model Optimizer's NVFP4 code and
+   loaded into a plain BF16 model by transformers, reproduce the student's logits (weights-only
+   view: activation and KV quantizers off on the student, as a W4A16 server runs it).
+
+The checkpoint is written into a temporary folder and moved into place only when every check
+passes: a failed or interrupted export never leaves a folder that looks complete. The same
+checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores: W4A16);
+`serving.json` records what each needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
+from qad_pipeline.config import ConfigError, Params
+from qad_pipeline.layout import Layout
+
+MANIFEST = "export_manifest.json"
+BPE_TOLERANCE = 0.01  # relative
+LOGIT_TOLERANCE = 0.02  # max |delta logit| / max |logit|
+FORMAT_OF_ALGO = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "W4A8_NVFP4_FP8": "nvfp4"}
+
+
+class ExportCheckFailed(RuntimeError):
+    pass
+
+
+# -- reading an exported checkpoint ---------------------------------------------------------------
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for shard in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
+
+
+def tensor_format(name: str, tensors: dict[str, torch.Tensor]) -> str:
+    """The storage format of weight `name` as the safetensors hold it."""
+    t = tensors[name]
+    base = name.removesuffix(".weight")
+    if t.dtype == torch.uint8 and f"{base}.weight_scale" in tensors:
+        return "nvfp4"
+    if t.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(t.dtype, str(t.dtype))
+
+
+def is_weight(name: str) -> bool:
+    """A model weight, as opposed to a scale that belongs to one."""
+    return not re.search(r"\.(weight_scale(_2)?|input_scale|[kv]_scale|pre_quant_scale)$", name)
+
+
+def normalize(name: str) -> str:
+    """A layer name comparable between the in-memory model and the export.
+
+    The export may rename the prefix (`model.` -> `backbone.`), unfuse experts
+    (`experts.up_proj` -> `experts.<i>.up_proj.weight`) and drop `.weight`.
+    """
+    name = name.removesuffix(".weight")
+    name = re.sub(r"\.experts\.\d+\.", ".experts.", name)
+    match = re.search(r"(layers\.\d+\..*)$", name)
+    return match.group(1) if match else name.split(".")[-1] if "." in name else name
+
+
+# -- the three checks ---------------------------------------------------------------------------
+
+
+def check_formats(expected: dict[str, str], tensors: dict[str, torch.Tensor], quant_config: dict) -> dict:
+    """(a) Each layer's exported format equals the recipe's, and the config names the quantized ones."""
+    exported: dict[str, set[str]] = defaultdict(set)
+    for name in tensors:
+        if is_weight(name):
+            exported[normalize(name)].add(tensor_format(name, tensors))
+    problems = []
+    for name, fmt in expected.items():
+        key = normalize(name)
+        got = exported.get(key)
+        if got is None:
+            problems.append(f"{name}: expected {fmt}, missing from the export")
+        elif got != {fmt} and not (fmt in ("bf16", "fp32", "fp16") and got <= {"bf16", "fp32", "fp16"}):
+            problems.append(f"{name}: expected {fmt}, exported as {'+'.join(sorted(got))}")
+
+    layers = quant_config.get("quantization", {}).get("quantized_layers") or {}
+    module_names = {n.removesuffix(".weight") for n in tensors if n.endswith(".weight")}
+    module_names |= {re.sub(r"\.experts\.\d+\..*$", ".experts", n) for n in module_names}
+    for layer, spec in layers.items():
+        if layer not in module_names:
+            problems.append(f"hf_quant_config names layer {layer!r}, which the checkpoint does not hold")
+            continue
+        want = FORMAT_OF_ALGO.get(spec.get("quant_algo"))
+        held = {tensor_format(n, tensors) for n in tensors if n.startswith(layer + ".") and n.endswith(".weight")}
+        if want and held != {want}:
+            problems.append(f"hf_quant_config says {layer} is {spec.get('quant_algo')}, tensors are {sorted(held)}")
+    counts = Counter(fmt for fmts in exported.values() for fmt in fmts)
+    return {"passed": not problems, "problems": problems[:20], "layers_by_format": dict(counts)}
+
+
+def export_size(tensors: dict[str, torch.Tensor]) -> dict:
+    """Bits per element and bytes of the exported weights, scales included."""
+    bits = elements = 0
+    for name, t in tensors.items():
+        bits += t.numel() * t.element_size() * 8
+        if is_weight(name):
+            elements += t.numel() * (2 if tensor_format(name, tensors) == "nvfp4" else 1)
+    return {"effective_bpe": bits / elements, "tensor_bytes": bits // 8, "elements": elements,
+            "bf16_size_bytes": elements * 2}
+
+
+def check_size(expected_bpe: float, tensors: dict[str, torch.Tensor]) -> dict:
+    """(b) Effective bits per element from the safetensors match the recipe's accounting."""
+    size = export_size(tensors)
+    rel = abs(size["effective_bpe"] - expected_bpe) / expected_bpe
+    return {"passed": rel <= BPE_TOLERANCE, "expected_bpe": expected_bpe, "relative_difference": rel,
+            "tolerance": BPE_TOLERANCE, **size}
+
+
+def dequantized_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Exported weights unpacked and dequantized to BF16 with Model Optimizer's own NVFP4 code."""
+    from modelopt.torch.quantization.qtensor import NVFP4QTensor
+
+    out = {}
+    for name, t in tensors.items():
+        if not is_weight(name):
+            continue
+        base = name.removesuffix(".weight")
+        fmt = tensor_format(name, tensors)
+        if fmt == "nvfp4":
+            shape = torch.Size([*t.shape[:-1], t.shape[-1] * 2])
+            q = NVFP4QTensor(shape, torch.bfloat16, t)
+            out[name] = q.dequantize(
+                dtype=torch.bfloat16, scale=tensors[f"{base}.weight_scale"],
+                double_scale=tensors[f"{base}.weight_scale_2"], block_sizes={-1: 16},
+            )
+        elif fmt == "fp8":
+            out[name] = (t.float() * tensors[f"{base}.weight_scale"].float()).to(torch.bfloat16)
+        else:
+            out[name] = t
+    return out
+
+
+def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor]):
+    """Load the export back as a plain BF16 model: dequantized weights, quantization config dropped."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = read_json(folder / "config.json")
+        config.pop("quantization_config", None)
+        write_json(Path(tmp) / "config.json", config)
+        save_file(dequantized_state_dict(tensors), str(Path(tmp) / "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    return model.eval()
+
+
+@torch.no_grad()
+def weight_only_logits(student, batch: torch.Tensor) -> torch.Tensor:
+    """The student's logits with only its weight quantizers on (activation and KV quantizers off
+    for this forward only; they are switched back on afterwards, untouched)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    switched = [m for n, m in student.named_modules()
+                if isinstance(m, TensorQuantizer) and m.is_enabled and not n.endswith("weight_quantizer")
+                and "weight_quantizers." not in n]
+    for q in switched:
+        q.disable()
+    try:
+        return student(input_ids=batch).logits.float()
+    finally:
+        for q in switched:
+            q.enable()
+
+
+@torch.no_grad()
+def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor) -> dict:
+    """(c) The reloaded export reproduces the student's weight-only logits."""
+    reloaded = reload_dequantized(folder, tensors)(input_ids=batch).logits.float()
+    max_diff = (reloaded - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    rel = max_diff / scale if scale else math.inf
+    return {"passed": rel <= LOGIT_TOLERANCE, "max_abs_logit_diff": max_diff, "max_abs_logit": scale,
+            "relative": rel, "tolerance": LOGIT_TOLERANCE,
+            "compared": "student with weight quantizers only vs dequantized export, bf16"}
+
+
+# -- the stage ----------------------------------------------------------------------------------
+
+
+def repair_layer_names(folder: Path) -> list[str]:
+    """Strip a mangled name-mapping sentinel from the quantization config's layer names.
+
+    Model Optimizer 0.47 appends a sentinel (".\\x00modelopt_name_sentinel") while renaming
+    module names to hub names; a rename rule for `model.` (NemotronH: -> `backbone.`) also
+    rewrites the sentinel, which then survives as ".\\x00backbone.pt_name_sentinel" in
+    `quantized_layers` and `config_groups` targets, so no serving engine would match a layer.
+    Returns the names it repaired; check (a) fails on any that remain wrong.
+    """
+    repaired = []
+
+    def fix(name: str) -> str:
+        if "\x00" in name:
+            repaired.append(name)
+            return name.split(".\x00", 1)[0]
+        return name
+
+    for file, key in (("hf_quant_config.json", "quantization"), ("config.json", "quantization_config")):
+        path = folder / file
+        data = read_json(path)
+        section = data.get(key) or {}
+        if isinstance(section.get("quantized_layers"), dict):
+            section["quantized_layers"] = {fix(k): v for k, v in section["quantized_layers"].items()}
+        if isinstance(section.get("exclude_modules"), list):
+            section["exclude_modules"] = [fix(n) for n in section["exclude_modules"]]
+        for group in (section.get("config_groups") or {}).values():
+            if isinstance(group.get("targets"), list):
+                group["targets"] = [fix(n) for n in group["targets"]]
+        write_json(path, data)
+    return sorted(set(repaired))
+
+
+def serving_notes(quant_config: dict, folder: Path) -> dict:
+    q = quant_config.get("quantization", {})
+    return {
+        "quant_algo": q.get("quant_algo"),
+        "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
+        "blackwell": "native NVFP4 W4A4 on FP4 tensor cores (SM100+): weights and activations in NVFP4",
+        "hopper": "no FP4 tensor cores (SM90): the server runs the NVFP4 weights as W4A16 "
+                  "(dequantized to BF16 in the GEMM), activations stay BF16",
+        "vllm": f"vllm serve {folder} --quantization modelopt_fp4"
+                + (" --kv-cache-dtype fp8" if q.get("kv_cache_quant_algo") == "FP8" else ""),
+        "tensorrt_llm": f"trtllm-serve {folder}",
+        "sglang": f"python -m sglang.launch_server --model-path {folder} --quantization modelopt_fp4",
+    }
+
+
+def check_target(folder: Path, source_key: str) -> None:
+    """Refuse an export folder that holds something other than an earlier export of this student."""
+    if not folder.exists() or not any(folder.iterdir()):
+        return
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise ConfigError(f"export target {folder} already holds files that are not a qad-pipeline export; "
+                          "move them away or choose another --out-root")
+    held = read_json(manifest).get("source")
+    if held != source_key:
+        raise ConfigError(f"export target {folder} holds a different checkpoint (source {held[:12]}…); "
+                          "remove it or choose another --out-root rather than mix two checkpoints")
+
+
+def run_export(params: Params, layout: Layout) -> dict:
+    """Stage core: export the QAD student, verify it, put it in place; write metrics/export.json."""
+    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from qad_pipeline.modeling import load_tokenizer
+    from qad_pipeline.sizes import size_report
+    from qad_pipeline.tasks.calibration import load_ppl_windows
+    from qad_pipeline.tasks.qad import load_student
+
+    student_dir = layout.qad / "model"
+    source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
+                             + [str((student_dir / "model.safetensors").stat().st_size)])
+    check_target(layout.export, source_key)
+    student = load_student(student_dir).to(torch.bfloat16).eval()
+    expected = size_report(student)
+    batch = torch.from_numpy(load_ppl_windows(layout.data)[:2])
+    reference = weight_only_logits(student, batch)  # before export: it packs the weights in place
+
+    metrics: dict = {}
+    with staged_dir(layout.export) as tmp:
+        export_hf_checkpoint(student, export_dir=tmp)
+        repaired = repair_layer_names(tmp)
+        load_tokenizer(params.base_model).save_pretrained(tmp)
+        tensors = read_tensors(tmp)
+        quant_config = read_json(tmp / "hf_quant_config.json")
+        checks = {
+            "formats": check_formats(expected["layer_formats"], tensors, quant_config),
+            "size": check_size(expected["effective_bpe"], tensors),
+            "reload": check_reload(tmp, tensors, reference, batch),
+        }
+        size_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
+        serving = serving_notes(quant_config, layout.export)
+        write_json(tmp / "serving.json", serving)
+        metrics = {
+            "path": str(layout.export),
+            "size_bytes": size_bytes,
+            "bf16_size_bytes": checks["size"]["bf16_size_bytes"],
+            "size_ratio": checks["size"]["bf16_size_bytes"] / size_bytes,
+            "effective_bpe": checks["size"]["effective_bpe"],
+            "layer_formats": checks["formats"]["layers_by_format"],
+            "repaired_layer_names": len(repaired),
+            "checks": checks,
+            "serving": serving,
+            "passed": all(c["passed"] for c in checks.values()),
+        }
+        write_json(layout.export_metrics, metrics)
+        if not metrics["passed"]:
+            failed = [f"{name}: {c.get('problems') or c}" for name, c in checks.items() if not c["passed"]]
+            raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
+        write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir)})
+    return metrics

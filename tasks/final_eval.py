@@ -1,0 +1,66 @@
+"""Final evaluation: `qad-pipeline stage final_eval`.
+
+Scores the QAD student on the same tasks as the PTQ stage (lm-eval tasks, perplexity, KL to the
+BF16 model) and writes `metrics/qad.json`: its per-task scores and median recovery next to the
+selected PTQ recipe's, and one table with BF16, the PTQ recipe and QAD.
+"""
+
+from __future__ import annotations
+
+from qad_pipeline.artifacts import read_json, write_json
+from qad_pipeline.config import Params
+from qad_pipeline.layout import Layout
+from qad_pipeline.recovery import median_recovery, recoveries
+
+
+def comparison_table(baseline: dict, ptq: dict, qad: dict, recipe: str) -> list[dict]:
+    """One row each for BF16, the selected PTQ recipe and QAD: per-task score and recovery."""
+    rows = []
+    for name, m in (("bf16", baseline), (f"ptq:{recipe}", ptq), ("qad", qad)):
+        row = {"name": name}
+        for task, score in m["tasks"].items():
+            row[task] = score["value"]
+            row[f"{task}_recovery"] = score.get("recovery", 1.0)
+        row["median_recovery"] = m.get("median_recovery", 1.0)
+        row["kl_divergence"] = m.get("kl_divergence", 0.0)
+        rows.append(row)
+    return rows
+
+
+def run_final_eval(params: Params, layout: Layout) -> dict:
+    """Stage core: evaluate the QAD student against the BF16 baseline; write metrics/qad.json."""
+    import torch
+
+    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
+    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.tasks.calibration import load_ppl_windows
+    from qad_pipeline.tasks.evaluate import evaluate_model, next_token_logprobs
+    from qad_pipeline.tasks.qad import load_student
+
+    selection = read_json(layout.selection_metrics)
+    recipe = selection["selected"]
+    baseline = read_json(layout.baseline_metrics)
+    ptq = read_json(layout.ptq_metrics(recipe))
+    windows = torch.from_numpy(load_ppl_windows(layout.data))
+    reference = next_token_logprobs(load_model(params.base_model), windows, params.eval.batch_size)
+
+    student = load_student(layout.qad / "model").to(torch.bfloat16).eval()
+    scores = evaluate_model(student, load_tokenizer(params.base_model), params.eval, layout.data, reference)
+    per_task = recoveries(scores["tasks"], baseline["tasks"])
+    for task, value in per_task.items():
+        scores["tasks"][task]["recovery"] = value
+    training = read_json(layout.qad / "loss.json")
+    metrics = {
+        "recipe": recipe,
+        **scores,
+        "median_recovery": median_recovery(per_task),
+        "ptq_median_recovery": ptq["median_recovery"],
+        "qad_beats_ptq": median_recovery(per_task) > ptq["median_recovery"],
+        "steps": training["steps"],
+        "final_loss": training["final_loss"],
+        "first_loss": training["first_loss"],
+        "steps_per_second": training["steps_per_second"],
+    }
+    metrics["table"] = comparison_table(baseline, ptq, metrics, recipe)
+    write_json(layout.qad_metrics, metrics)
+    return metrics
