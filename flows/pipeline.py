@@ -1,7 +1,10 @@
 """The `qad-pipeline` Prefect flow: `qad-pipeline run` (locally) or `prefect deployment run qad-pipeline/...`.
 
-    calibration ──┬── baseline (BF16 eval) ───────────────┐
-                  └── ptq × 5 recipes, in parallel ───────┴── selection ── report
+    calibration ──┬── baseline (BF16 eval) ──────────┐
+                  └── ptq × 5 recipes, in parallel ──┴── selection ── qad ── final_eval ── export
+
+With `selection.policy: ptq_final` the flow ends at selection (PTQ is the last step); when no
+recipe qualifies it ends there too, and the report says why.
 
 Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same command that
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
@@ -24,7 +27,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.report import recipe_rows, recipe_table_markdown
+from qad_pipeline.report import recipe_rows, report_markdown
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
 
@@ -78,16 +81,32 @@ def selection(params_file: str, overrides: list[str], layout: Layout) -> float:
     return run_stage_process(["selection"], params_file, overrides, layout)
 
 
+@task(name="qad")
+def qad(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["qad"], params_file, overrides, layout)
+
+
+@task(name="final_eval")
+def final_eval(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["final_eval"], params_file, overrides, layout)
+
+
+@task(name="export")
+def export(params_file: str, overrides: list[str], layout: Layout) -> float:
+    return run_stage_process(["export"], params_file, overrides, layout)
+
+
 @flow(name="qad-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True)
 def qad_pipeline(
     params_file: str = str(DEFAULT_PARAMS),
     overrides: list[str] | None = None,
     out_root: str = str(PROJECT_ROOT),
 ) -> dict:
-    """Calibration data -> BF16 baseline and the PTQ recipes in parallel -> recipe selection."""
+    """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export."""
     overrides = list(overrides or [])
+    params_file = str(Path(params_file).resolve())  # the stage processes run in the project root
     params = load_params(Path(params_file), overrides)
-    layout = Layout(Path(out_root))
+    layout = Layout(Path(out_root).resolve())
     seconds = {"calibration": calibration(params_file, overrides, layout)}
 
     started = time.time()
@@ -109,5 +128,12 @@ def qad_pipeline(
     summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
                "failed": failed, "seconds": seconds, "root": str(layout.root)}
     create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
-    create_markdown_artifact(key="recipe-selection", markdown=recipe_table_markdown(summary))
+
+    if chosen["selected"] is not None and params.selection.policy == "qad":
+        seconds["qad"] = qad(params_file, overrides, layout)
+        seconds["final_eval"] = final_eval(params_file, overrides, layout)
+        seconds["export"] = export(params_file, overrides, layout)
+        summary["qad"] = read_json(layout.qad_metrics)
+        summary["export"] = read_json(layout.export_metrics)
+    create_markdown_artifact(key="qad-pipeline-report", markdown=report_markdown(summary))
     return summary

@@ -16,7 +16,15 @@ from typing import Annotated
 
 import typer
 
-from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, ConfigError, Params, check_recipes, load_params
+from qad_pipeline.config import (
+    DEFAULT_PARAMS,
+    PROJECT_ROOT,
+    ConfigError,
+    Params,
+    StageError,
+    check_recipes,
+    load_params,
+)
 from qad_pipeline.layout import Layout
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
@@ -57,7 +65,8 @@ def preflight(params: Params) -> None:
     check_recipes(params)
     check_base_model(
         params.base_model,
-        {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len},
+        {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
+         "qad.seq_len": params.qad.seq_len},
     )
     check_tasks(params.eval)
 
@@ -85,7 +94,7 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
-    from qad_pipeline.report import recipe_table_text
+    from qad_pipeline.report import report_text
 
     items = list(overrides or []) + ([f"base_model.path={base_model}"] if base_model else [])
     try:
@@ -93,7 +102,7 @@ def run(
     except StageFailed as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(recipe_table_text(summary))
+    typer.echo(report_text(summary))
     if summary["selection"]["selected"] is None:
         raise typer.Exit(1)
 
@@ -121,7 +130,7 @@ def stage(
     layout = Layout(Path(out_root))
     try:
         run_stage(name, params, layout, recipe)
-    except ConfigError as err:
+    except (ConfigError, StageError) as err:
         _fail(err)
 
 

@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """Bad configuration or input, reported as one line before any heavy work starts."""
 
 
+class StageError(RuntimeError):
+    """A stage ran and found its result unusable (diverged training, a failed export check)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

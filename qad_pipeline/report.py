@@ -44,27 +44,54 @@ def _columns(rows: list[dict]) -> list[str]:
     return cols
 
 
-def recipe_table_markdown(summary: dict) -> str:
-    rows = summary["recipes"]
+def _fmt(value) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: list[dict]) -> list[str]:
     cols = _columns(rows)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    sel = summary["selection"]
-    lines += ["", f"**Selected:** {sel['selected'] or 'none'} ({sel['policy']} policy)", "", sel["reason"]]
-    return "\n".join(lines)
+    return lines + ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
 
 
-def recipe_table_text(summary: dict) -> str:
-    rows = summary["recipes"]
+def text_table(rows: list[dict]) -> list[str]:
     cols = _columns(rows)
-    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*cols), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*row) for row in cells]
-    for r in rows:
-        if r["status"] != "ok":
-            out.append(f"{r['name']} FAILED: {r.get('error', '')}")
+    return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in cells]
+
+
+def _qad_rows(summary: dict) -> list[dict]:
+    keep = ("name", "median_recovery", "kl_divergence")
+    return [{k: v for k, v in r.items() if k in keep or k.endswith("_recovery")} for r in summary["qad"]["table"]]
+
+
+def _sections(summary: dict, table) -> list[str]:
     sel = summary["selection"]
-    out += ["", f"selected: {sel['selected'] or 'none'}", sel["reason"]]
-    return "\n".join(out)
+    out = ["Recipes (PTQ):", *table(summary["recipes"])]
+    out += [f"{r['name']} FAILED: {r.get('error', '')}" for r in summary["recipes"] if r["status"] != "ok"]
+    out += ["", f"Selected: {sel['selected'] or 'none'} ({sel['policy']} policy). {sel['reason']}"]
+    if "qad" in summary:
+        q = summary["qad"]
+        verdict = "beats" if q["qad_beats_ptq"] else "does NOT beat"
+        out += ["", f"QAD ({q['steps']} steps, KD loss {q['first_loss']:.5f} -> {q['final_loss']:.5f}): "
+                    f"median recovery {q['median_recovery']:.4f}, {verdict} PTQ's {q['ptq_median_recovery']:.4f}",
+                *table(_qad_rows(summary))]
+    if "export" in summary:
+        e = summary["export"]
+        checks = ", ".join(f"{n} {'ok' if c['passed'] else 'FAILED'}" for n, c in e["checks"].items())
+        out += ["", f"Export: {e['path']}",
+                f"  {e['size_bytes'] / 1e6:.2f} MB vs {e['bf16_size_bytes'] / 1e6:.2f} MB in BF16 "
+                f"({e['size_ratio']:.2f}x smaller), {e['effective_bpe']:.3f} bits per element; checks: {checks}",
+                f"  Blackwell: {e['serving']['blackwell']}", f"  Hopper: {e['serving']['hopper']}",
+                f"  Serve with vLLM: {e['serving']['vllm']}"]
+    return out
+
+
+def report_markdown(summary: dict) -> str:
+    return "\n".join(_sections(summary, markdown_table))
+
+
+def report_text(summary: dict) -> str:
+    return "\n".join(_sections(summary, text_table))

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
-from qad_pipeline.config import ConfigError, Params
+from qad_pipeline.config import ConfigError, Params, StageError
 from qad_pipeline.layout import Layout
 
 MANIFEST = "export_manifest.json"
@@ -42,7 +42,7 @@ LOGIT_TOLERANCE = 0.02  # max |delta logit| / max |logit|
 FORMAT_OF_ALGO = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "W4A8_NVFP4_FP8": "nvfp4"}
 
 
-class ExportCheckFailed(RuntimeError):
+class ExportCheckFailed(StageError):
     pass
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -31,13 +30,13 @@ import torch
 from tqdm import tqdm
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
-from qad_pipeline.config import ConfigError, Params, QADParams
+from qad_pipeline.config import ConfigError, Params, StageError, QADParams
 from qad_pipeline.modeling import DTYPES, load_model, load_tokenizer
 
 CHECKPOINT = "last"
 
 
-class QADDiverged(RuntimeError):
+class QADDiverged(StageError):
     """The loss became NaN or infinite."""
 
 
@@ -189,8 +188,6 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         bar.set_postfix(loss=f"{total:.5f}")
         if (step + 1) % qad.checkpoint_every == 0 and step + 1 < qad.steps:
             save_checkpoint(last, student, optimizer, scheduler, step + 1, losses, run_key)
-        if os.environ.get("QAD_STOP_AFTER_STEP") == str(step + 1):  # used by the resume test
-            raise SystemExit(f"qad: stopped after step {step + 1} (QAD_STOP_AFTER_STEP)")
     seconds = time.time() - started
 
     student = student.to(DTYPES[params.base_model.dtype]).eval()

@@ -1,16 +1,27 @@
-"""Shared fixtures: the bundled demo model and the project's own paths."""
+"""Shared fixtures: the bundled demo model and one tiny run of the whole flow."""
 
 import os
+import shutil
 
 import pytest
 
 from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.layout import Layout
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 DEMO_MODEL = PROJECT_ROOT / "demo" / "model"
+GOOD_RECIPES = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
+BROKEN_RECIPE = "broken-recipe"
+# Small enough for CI on two cores, large enough that every stage does real work.
+TINY = [
+    "calibration.num_samples=4", "calibration.seq_len=64", "ptq.calib_batch_size=4",
+    "eval.seq_len=64", "eval.ppl_samples=4", "eval.num_cloze=16", "eval.num_continuation=8",
+    "eval.batch_size=16", "qad.steps=4", "qad.batch_size=4", "qad.seq_len=64", "qad.checkpoint_every=2",
+    "qad.warmup_steps=1", "selection.band=[0.5, 1.0]",
+]
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +29,30 @@ def demo_model_path():
     if not (DEMO_MODEL / "config.json").is_file():
         pytest.fail(f"the bundled demo model is missing at {DEMO_MODEL}; retrain it with demo/train_demo_model.py")
     return DEMO_MODEL
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, demo_model_path):
+    """The qad-pipeline flow, run once: two real recipes and a broken one, then QAD and export.
+
+    Returns (summary, layout, overrides, Prefect's latest artifacts).
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from qad_pipeline.flows.pipeline import qad_pipeline
+
+    root = tmp_path_factory.mktemp("run")
+    recipes = root / "recipes"
+    recipes.mkdir()
+    for name in GOOD_RECIPES:
+        shutil.copy(PROJECT_ROOT / "recipes" / f"{name}.yaml", recipes)
+    (recipes / f"{BROKEN_RECIPE}.yaml").write_text(
+        "metadata:\n  recipe_type: ptq\nquantize:\n  algorithm: no_such_algorithm\n  quant_cfg: []\n"
+    )
+    overrides = TINY + [f"ptq.recipe_dir={recipes}", f"ptq.recipes=[{', '.join(GOOD_RECIPES + [BROKEN_RECIPE])}]"]
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = qad_pipeline(overrides=overrides, out_root=str(root))
+        with get_client(sync_client=True) as client:
+            artifacts = client.read_latest_artifacts()
+    return summary, Layout(root), overrides, artifacts

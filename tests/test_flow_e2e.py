@@ -1,47 +1,20 @@
-"""One tiny end-to-end run of the qad-pipeline flow on the bundled demo model.
+"""One tiny end-to-end run of the qad-pipeline flow on the bundled demo model (tests/conftest.py).
 
 Two real recipes plus one broken one run as parallel processes; the broken one fails alone,
 selection goes on among the survivors, and the metrics contract holds.
 """
 
-import shutil
-
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.layout import Layout
-
-GOOD = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
-BROKEN = "broken-recipe"
-TINY = [
-    "calibration.num_samples=4", "calibration.seq_len=64", "ptq.calib_batch_size=4",
-    "eval.seq_len=64", "eval.ppl_samples=4", "eval.num_cloze=16", "eval.num_continuation=8",
-    "eval.batch_size=16",
-]
+from tests.conftest import BROKEN_RECIPE as BROKEN
+from tests.conftest import GOOD_RECIPES as GOOD
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, demo_model_path):
-    from qad_pipeline.flows.pipeline import qad_pipeline
-
-    root = tmp_path_factory.mktemp("run")
-    recipes = root / "recipes"
-    recipes.mkdir()
-    for name in GOOD:
-        shutil.copy(PROJECT_ROOT / "recipes" / f"{name}.yaml", recipes)
-    (recipes / f"{BROKEN}.yaml").write_text(
-        "metadata:\n  recipe_type: ptq\nquantize:\n  algorithm: no_such_algorithm\n  quant_cfg: []\n"
-    )
-    overrides = TINY + [f"ptq.recipe_dir={recipes}", f"ptq.recipes=[{', '.join(GOOD + [BROKEN])}]"]
-    with prefect_test_harness(server_startup_timeout=120):
-        summary = qad_pipeline(overrides=overrides, out_root=str(root))
-        from prefect.client.orchestration import get_client
-
-        with get_client(sync_client=True) as client:
-            artifact = client.read_latest_artifacts()
-    return summary, Layout(root), artifact
+def run(pipeline_run):
+    summary, layout, _, artifacts = pipeline_run
+    return summary, layout, artifacts
 
 
 def test_metrics_contract(run):
@@ -78,4 +51,18 @@ def test_recipes_ran_concurrently(run):
 def test_recipe_table_published_as_prefect_artifact(run):
     _, _, artifacts = run
     keys = {a.key for a in artifacts}
-    assert {"recipe-table", "recipe-selection"} <= keys
+    assert {"recipe-table", "qad-pipeline-report"} <= keys
+
+
+def test_qad_and_export_ran(run):
+    summary, layout, _ = run
+    qad = read_json(layout.qad_metrics)
+    for key in ("median_recovery", "tasks", "steps", "final_loss", "ptq_median_recovery"):
+        assert key in qad
+    assert qad["steps"] == 4 and qad["final_loss"] < qad["first_loss"]
+    export = read_json(layout.export_metrics)
+    for key in ("path", "size_bytes", "bf16_size_bytes", "effective_bpe", "layer_formats", "checks"):
+        assert key in export
+    assert all(c["passed"] for c in export["checks"].values())
+    assert (layout.export / "hf_quant_config.json").is_file() and (layout.export / "serving.json").is_file()
+    assert summary["export"]["size_ratio"] > 1.5

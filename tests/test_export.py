@@ -1,0 +1,91 @@
+"""The export's three checks pass on a real export and fail on deliberately broken ones."""
+
+import pytest
+import torch
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import ConfigError
+from qad_pipeline.sizes import size_report
+from qad_pipeline.tasks.calibration import load_ppl_windows
+from qad_pipeline.tasks.export import (
+    check_formats,
+    check_reload,
+    check_size,
+    check_target,
+    read_tensors,
+    weight_only_logits,
+)
+from qad_pipeline.tasks.qad import load_student
+
+
+@pytest.fixture(scope="module")
+def exported(pipeline_run):
+    _, layout, _, _ = pipeline_run
+    student = load_student(layout.qad / "model").to(torch.bfloat16).eval()
+    batch = torch.from_numpy(load_ppl_windows(layout.data)[:2])
+    return {
+        "layout": layout,
+        "tensors": read_tensors(layout.export),
+        "config": read_json(layout.export / "hf_quant_config.json"),
+        "expected": size_report(student),
+        "reference": weight_only_logits(student, batch),
+        "batch": batch,
+    }
+
+
+def nvfp4_layer(tensors):
+    return next(n.removesuffix(".weight") for n, t in tensors.items() if n.endswith("mixer.in_proj.weight")
+                and t.dtype == torch.uint8)
+
+
+def test_real_export_passes_all_checks(exported):
+    e = exported
+    assert check_formats(e["expected"]["layer_formats"], e["tensors"], e["config"])["passed"]
+    assert check_size(e["expected"]["effective_bpe"], e["tensors"])["passed"]
+    assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"])["passed"]
+    assert e["expected"]["layer_formats"]["lm_head.weight"] == "nvfp4"
+
+
+def test_formats_check_catches_nvfp4_silently_stored_as_bf16(exported):
+    e = exported
+    tensors = dict(e["tensors"])
+    tensors["lm_head.weight"] = torch.zeros(4096, 192, dtype=torch.bfloat16)  # untied lm_head left in BF16
+    for suffix in ("weight_scale", "weight_scale_2"):
+        tensors.pop(f"lm_head.{suffix}")
+    result = check_formats(e["expected"]["layer_formats"], tensors, e["config"])
+    assert not result["passed"]
+    assert any("lm_head" in p and "expected nvfp4, exported as bf16" in p for p in result["problems"])
+
+
+def test_formats_check_catches_config_naming_layers_that_do_not_exist(exported):
+    e = exported
+    config = {"quantization": {"quantized_layers": {"model.layers.0.mixer.in_proj.\x00backbone.pt_name_sentinel":
+                                                    {"quant_algo": "W4A16_NVFP4"}}}}
+    result = check_formats(e["expected"]["layer_formats"], e["tensors"], config)
+    assert not result["passed"] and "does not hold" in result["problems"][0]
+
+
+def test_size_check_catches_a_checkpoint_bigger_than_the_recipe(exported):
+    e = exported
+    tensors = dict(e["tensors"])
+    layer = nvfp4_layer(tensors)
+    tensors[f"{layer}.weight_scale"] = tensors[f"{layer}.weight_scale"].float().repeat(1, 40)  # scales in FP32
+    result = check_size(e["expected"]["effective_bpe"], tensors)
+    assert not result["passed"] and result["relative_difference"] > 0.01
+
+
+def test_reload_check_catches_wrong_scales(exported):
+    e = exported
+    tensors = dict(e["tensors"])
+    layer = nvfp4_layer(tensors)
+    tensors[f"{layer}.weight_scale_2"] = tensors[f"{layer}.weight_scale_2"] * 4
+    assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"])["passed"]
+
+
+def test_export_target_holding_another_checkpoint_is_refused(exported, tmp_path):
+    check_target(exported["layout"].export, read_json(exported["layout"].export / "export_manifest.json")["source"])
+    with pytest.raises(ConfigError, match="holds a different checkpoint"):
+        check_target(exported["layout"].export, "another-source")
+    (tmp_path / "stranger.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="not a qad-pipeline export"):
+        check_target(tmp_path, "any")

@@ -1,0 +1,86 @@
+"""QAD: resume after a kill, refuse a student of another model, stop on a non-finite loss."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import ConfigError, load_params
+from qad_pipeline.layout import Layout
+from qad_pipeline.tasks.qad import CHECKPOINT, QADDiverged, lr_lambda, run_qad
+
+
+def stage_cmd(layout, overrides):
+    cmd = [sys.executable, "-m", "qad_pipeline", "stage", "qad", "--out-root", str(layout.root)]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+@pytest.fixture
+def copy_of_run(pipeline_run, tmp_path):
+    """A private copy of the flow run's outputs, so a test may break or re-run stages in it."""
+    _, layout, overrides, _ = pipeline_run
+    root = tmp_path / "run"
+    shutil.copytree(layout.root, root, ignore=shutil.ignore_patterns("qad", "qad_checkpoints", "export"))
+    return Layout(root), overrides
+
+
+def test_killed_qad_resumes_from_its_checkpoint(copy_of_run):
+    layout, overrides = copy_of_run
+    overrides = overrides + ["qad.steps=8", "qad.checkpoint_every=2"]
+    proc = subprocess.Popen(stage_cmd(layout, overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    checkpoint = layout.qad_checkpoints / CHECKPOINT / "state.pt"
+    deadline = time.time() + 600
+    while not checkpoint.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert checkpoint.is_file(), "no checkpoint appeared before the stage ended"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved_step = torch.load(checkpoint, weights_only=False)["step"]
+    assert 0 < saved_step < 8 and not (layout.qad / "model").exists()
+
+    rerun = subprocess.run(stage_cmd(layout, overrides), capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert f"resuming from the checkpoint at step {saved_step}" in rerun.stdout
+    curve = read_json(layout.qad / "loss.json")
+    assert curve["resumed_from"] == saved_step
+    assert [p["step"] for p in curve["losses"]] == list(range(1, 9))
+    assert not layout.qad_checkpoints.exists()  # a finished run leaves no checkpoint to resume
+
+
+def test_student_of_another_model_is_refused(copy_of_run, tmp_path):
+    layout, overrides = copy_of_run
+    params = load_params(overrides=overrides)
+    selected = read_json(layout.selection_metrics)["selected"]
+    student = tmp_path / "student"
+    shutil.copytree(layout.ptq(selected) / "checkpoint", student)
+    config = read_json(student / "config.json")
+    config["vocab_size"] = 123
+    (student / "config.json").write_text(__import__("json").dumps(config))
+    with pytest.raises(ConfigError, match="vocab_size is 123 in the student"):
+        run_qad(params, student, layout.data, tmp_path / "qad", tmp_path / "ckpt")
+
+
+def test_non_finite_loss_stops_with_the_step(copy_of_run, tmp_path):
+    layout, overrides = copy_of_run
+    params = load_params(overrides=overrides + ["qad.lr=1e30", "qad.warmup_steps=0", "qad.steps=6"])
+    selected = read_json(layout.selection_metrics)["selected"]
+    with pytest.raises(QADDiverged, match=r"at step \d+; training stopped"):
+        run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, tmp_path / "qad", tmp_path / "ckpt")
+    assert not (tmp_path / "qad").exists()
+
+
+def test_schedules():
+    params = load_params(overrides=["qad.steps=10", "qad.warmup_steps=2"])
+    f = lr_lambda(params.qad)
+    assert f(0) < f(1) < f(2) == pytest.approx(1.0)
+    assert f(9) < f(5) < f(2)
+    const = lr_lambda(load_params(overrides=["qad.schedule=constant", "qad.warmup_steps=0"]).qad)
+    assert const(0) == const(7) == 1.0
