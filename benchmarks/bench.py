@@ -1,10 +1,11 @@
-"""Benchmark the PTQ half of the DAG: `python benchmarks/ptq_bench.py [--out-root DIR]`.
+"""Benchmark the pipeline: `python benchmarks/bench.py [--out-root DIR]`.
 
 Prints, on the bundled demo model with the params.yaml defaults:
-  * the wall time of each stage of one pipeline run (recipes in parallel);
+  * the wall time of each stage of one whole pipeline run (recipes in parallel);
   * the baseline + five recipes phase in parallel versus one recipe after another;
   * the peak resident memory of each PTQ worker process;
-  * the forward time of the fake-quantized model versus the BF16 model.
+  * the forward time of the fake-quantized model versus the BF16 model;
+  * QAD steps per second and the exported checkpoint's size ratio versus BF16.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def main() -> None:
     n = len(params.ptq.recipes)
 
     parallel = run_flow(root / "parallel", [f"ptq.max_parallel={n}"])
-    sequential = run_flow(root / "sequential", ["ptq.max_parallel=1"])
+    # The second run only needs the PTQ half: policy ptq_final ends the flow at selection.
+    sequential = run_flow(root / "sequential", ["ptq.max_parallel=1", "selection.policy=ptq_final"])
 
     print(f"\n== stage wall times, one run with {n} recipes in parallel (s) ==")
     for stage, s in parallel["seconds"].items():
@@ -87,6 +89,15 @@ def main() -> None:
     times = forward_times(params, layout)
     for name, ms in times.items():
         print(f"{name:<45} {ms:8.1f}   x{ms / times['bf16']:.2f} vs bf16")
+
+    if "qad" in parallel:
+        q, e = parallel["qad"], parallel["export"]
+        tokens = params.qad.batch_size * params.qad.grad_accum * params.qad.seq_len
+        print("\n== QAD and export ==")
+        print(f"QAD: {q['steps_per_second']:.3f} steps/s ({q['steps_per_second'] * tokens:.0f} tokens/s, "
+              f"teacher + fake-quantized student, {tokens} tokens a step)")
+        print(f"export: {e['size_bytes'] / 1e6:.2f} MB vs {e['bf16_size_bytes'] / 1e6:.2f} MB BF16, "
+              f"size ratio x{e['size_ratio']:.2f}, {e['effective_bpe']:.3f} bits per element")
 
 
 if __name__ == "__main__":
