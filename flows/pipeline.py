@@ -27,7 +27,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.report import recipe_rows, report_markdown
+from qad_pipeline import tracking
+from qad_pipeline.report import recipe_rows, report_markdown, report_text
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
 
@@ -107,33 +108,72 @@ def qad_pipeline(
     params_file = str(Path(params_file).resolve())  # the stage processes run in the project root
     params = load_params(Path(params_file), overrides)
     layout = Layout(Path(out_root).resolve())
-    seconds = {"calibration": calibration(params_file, overrides, layout)}
+    parent_run = start_tracking(layout, params)
+    try:
+        seconds = {"calibration": calibration(params_file, overrides, layout)}
 
-    started = time.time()
-    base = baseline.submit(params_file, overrides, layout)
-    recipes = {
-        name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel)
-        for name in params.ptq.recipes
-    }
-    wait([base, *recipes.values()])
-    seconds["baseline"] = base.result()  # no baseline, no recovery: a failed baseline fails the flow
-    seconds.update({f"ptq/{n}": f.result() for n, f in recipes.items() if f.state.is_completed()})
-    seconds["baseline+ptq (wall)"] = time.time() - started
-    failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
-    if failed:
-        get_run_logger().warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
+        started = time.time()
+        base = baseline.submit(params_file, overrides, layout)
+        recipes = {
+            name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel)
+            for name in params.ptq.recipes
+        }
+        wait([base, *recipes.values()])
+        seconds["baseline"] = base.result()  # no baseline, no recovery: a failed baseline fails the flow
+        seconds.update({f"ptq/{n}": f.result() for n, f in recipes.items() if f.state.is_completed()})
+        seconds["baseline+ptq (wall)"] = time.time() - started
+        failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
+        if failed:
+            get_run_logger().warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
 
-    seconds["selection"] = selection(params_file, overrides, layout)
-    chosen = read_json(layout.selection_metrics)
-    summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
-               "failed": failed, "seconds": seconds, "root": str(layout.root)}
-    create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
+        seconds["selection"] = selection(params_file, overrides, layout)
+        chosen = read_json(layout.selection_metrics)
+        summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
+                   "failed": failed, "seconds": seconds, "root": str(layout.root)}
+        create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
 
-    if chosen["selected"] is not None and params.selection.policy == "qad":
-        seconds["qad"] = qad(params_file, overrides, layout)
-        seconds["final_eval"] = final_eval(params_file, overrides, layout)
-        seconds["export"] = export(params_file, overrides, layout)
-        summary["qad"] = read_json(layout.qad_metrics)
-        summary["export"] = read_json(layout.export_metrics)
+        if chosen["selected"] is not None and params.selection.policy == "qad":
+            seconds["qad"] = qad(params_file, overrides, layout)
+            seconds["final_eval"] = final_eval(params_file, overrides, layout)
+            seconds["export"] = export(params_file, overrides, layout)
+            summary["qad"] = read_json(layout.qad_metrics)
+            summary["export"] = read_json(layout.export_metrics)
+    except StageFailed as err:
+        track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
+        raise
     create_markdown_artifact(key="qad-pipeline-report", markdown=report_markdown(summary))
+    summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
     return summary
+
+
+def start_tracking(layout: Layout, params) -> str | None:
+    """Open the MLflow parent run at the start, so the run shows while it runs."""
+    try:
+        return tracking.start_pipeline_run(layout, params, flow_run_id=_flow_run_id(), git_commit=tracking.git_commit())
+    except Exception as err:  # noqa: BLE001  (tracking must never cost the pipeline its results)
+        get_run_logger().warning("MLflow: could not start the run (%s); results stay on disk", err)
+        return None
+
+
+def track(layout: Layout, params, report: str, parent_run: str | None, export_metrics: dict | None,
+          status: str | None = None) -> dict:
+    """Log the run's files to MLflow and register the export; on failure, say how to log later."""
+    try:
+        run_id = tracking.log_pipeline(layout, params, flow_run_id=_flow_run_id(), git_commit=tracking.git_commit(),
+                                       report=report, run_id=parent_run, status=status)
+        version = None
+        if (export_metrics or {}).get("passed"):
+            version = tracking.register_export(layout, params, run_id)
+        return {"uri": tracking.tracking_uri(layout.root), "run_id": run_id, "model_version": version,
+                "registered_model": tracking.registered_model_name(params.base_model.path) if version else None}
+    except Exception as err:  # noqa: BLE001
+        get_run_logger().warning(
+            "MLflow logging failed (%s). Every result is on disk under %s; log it later with "
+            "`qad-pipeline log-mlflow --out-root %s`", err, layout.root, layout.root)
+        return {"error": str(err)}
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.id

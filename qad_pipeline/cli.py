@@ -57,11 +57,13 @@ def resolve_params(params_file: Path, overrides: list[str] | None, base_model: s
     return load_params(params_file, items)
 
 
-def preflight(params: Params) -> None:
-    """Every check that needs no model weights: recipes, base model config, sequence lengths, tasks."""
+def preflight(params: Params, out_root: Path) -> None:
+    """Every check that needs no model weights: recipes, base model, sequence lengths, tasks, MLflow."""
+    from qad_pipeline import tracking
     from qad_pipeline.modeling import check_base_model
     from qad_pipeline.tasks.evaluate import check_tasks
 
+    tracking.check_reachable(tracking.tracking_uri(out_root))
     check_recipes(params)
     check_base_model(
         params.base_model,
@@ -86,7 +88,7 @@ def run(
     """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
     try:
         params = resolve_params(params_file, overrides, base_model)
-        preflight(params)
+        preflight(params, out_root)
     except ConfigError as err:
         _fail(err)
     # A local run talks to Prefect's temporary server unless PREFECT_API_URL names one; offline,
@@ -132,6 +134,58 @@ def stage(
         run_stage(name, params, layout, recipe)
     except (ConfigError, StageError) as err:
         _fail(err)
+
+
+@app.command("log-mlflow")
+def log_mlflow(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = PROJECT_ROOT,
+) -> None:
+    """Log a finished run's files to MLflow again (e.g. after the tracking server was away)."""
+    from qad_pipeline import tracking
+    from qad_pipeline.artifacts import read_json
+    from qad_pipeline.report import recipe_rows, report_text
+
+    layout = Layout(Path(out_root))
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        tracking.check_reachable(tracking.tracking_uri(layout.root))
+        if not layout.selection_metrics.is_file():
+            raise ConfigError(f"no finished run under {layout.root} (no {layout.selection_metrics})")
+    except ConfigError as err:
+        _fail(err)
+    summary = {"selection": read_json(layout.selection_metrics), "recipes": recipe_rows(layout, params.ptq.recipes)}
+    for key, path in (("qad", layout.qad_metrics), ("export", layout.export_metrics)):
+        if path.is_file():
+            summary[key] = read_json(path)
+    run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=tracking.git_commit(),
+                                   report=report_text(summary))
+    version = tracking.register_export(layout, params, run_id) if summary.get("export", {}).get("passed") else None
+    typer.echo(f"logged run {run_id} to {tracking.tracking_uri(layout.root)}"
+               + (f"; registered model version {version}" if version else ""))
+
+
+@app.command()
+def compare(
+    run_id: Annotated[str | None, typer.Argument(help="pipeline run id (default: the latest)")] = None,
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = PROJECT_ROOT,
+) -> None:
+    """Print the recipe table of the latest (or a given) pipeline run, read back from MLflow."""
+    from qad_pipeline import tracking
+
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        uri = tracking.tracking_uri(Path(out_root))
+        tracking.check_reachable(uri)
+        rows = tracking.compare_table(uri, tracking.experiment_name(params.base_model.path), run_id)
+    except (ConfigError, LookupError) as err:
+        _fail(err)
+    typer.echo(tracking.compare_text(rows))
 
 
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:

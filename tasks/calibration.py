@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 
 import datasets
@@ -25,8 +24,7 @@ import numpy as np
 from qad_pipeline.artifacts import fingerprint, staged_dir, write_json
 from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, resolve
 
-SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'])")
-CONTEXT_WORDS = 60
+CONTEXT_WORDS = 40
 
 
 def read_documents(params: CalibrationParams) -> list[str]:
@@ -89,39 +87,36 @@ def sample_windows(windows: np.ndarray, count: int, seed: int, what: str) -> np.
     return windows[pick]
 
 
-def sentences(doc: str) -> list[str]:
-    return [s.strip() for s in SENTENCE_END.split(" ".join(doc.split())) if s.strip()]
-
-
 def cloze_items(docs: list[str], count: int, seed: int) -> list[dict]:
-    """Next-word cloze (LAMBADA-style): a passage ending in a sentence, predict its last word."""
+    """Next-word cloze: after a passage of CONTEXT_WORDS words, predict the word that follows."""
     items = []
     for d, doc in enumerate(docs):
         words = " ".join(doc.split()).split(" ")
         for i in range(CONTEXT_WORDS, len(words)):
-            target = words[i]
-            bare = target.rstrip(".!?")
-            if target != bare and bare.isalpha() and len(bare) > 2:
-                items.append({"doc": d, "context": " ".join(words[i - CONTEXT_WORDS : i]), "target": bare})
+            if words[i].isalpha():
+                items.append({"doc": d, "context": " ".join(words[i - CONTEXT_WORDS : i]), "target": words[i]})
     return _take(items, count, seed, "cloze")
 
 
-def continuation_items(docs: list[str], count: int, seed: int, n_choices: int = 4) -> list[dict]:
-    """Multiple-choice continuation: after a passage, pick the sentence that really follows."""
+def continuation_items(docs: list[str], count: int, seed: int, n_choices: int = 4, span: int = 6) -> list[dict]:
+    """Multiple-choice continuation: after a passage, pick the true next `span` words among
+    versions of them with two neighbouring words swapped (a minimal-pair test of word order)."""
     rng = random.Random(seed)
-    per_doc = [sentences(doc) for doc in docs]
-    pool = [s for sents in per_doc for s in sents if 5 <= len(s.split()) <= 40]
     items = []
-    for d, sents in enumerate(per_doc):
-        for i in range(3, len(sents)):
-            gold = sents[i]
-            if not 5 <= len(gold.split()) <= 40:
+    for d, doc in enumerate(docs):
+        words = " ".join(doc.split()).split(" ")
+        for i in range(CONTEXT_WORDS, len(words) - span, span):
+            gold = words[i : i + span]
+            swaps = [j for j in range(span - 1) if gold[j] != gold[j + 1]]
+            if len(swaps) < n_choices - 1:
                 continue
-            context = " ".join(" ".join(sents[max(0, i - 4) : i]).split(" ")[-CONTEXT_WORDS:])
-            distractors = rng.sample([s for s in pool if s != gold], n_choices - 1)
+            distractors = []
+            for j in rng.sample(swaps, n_choices - 1):
+                swapped = gold[:j] + [gold[j + 1], gold[j]] + gold[j + 2 :]
+                distractors.append(" ".join(swapped))
             label = rng.randrange(n_choices)
-            choices = distractors[:label] + [gold] + distractors[label:]
-            items.append({"doc": d, "context": context, "choices": choices, "label": label})
+            choices = distractors[:label] + [" ".join(gold)] + distractors[label:]
+            items.append({"doc": d, "context": " ".join(words[i - CONTEXT_WORDS : i]), "choices": choices, "label": label})
     return _take(items, count, seed, "continuation")
 
 

@@ -13,12 +13,16 @@ from tests.conftest import GOOD_RECIPES as GOOD
 
 @pytest.fixture(scope="module")
 def run(pipeline_run):
-    summary, layout, _, artifacts = pipeline_run
-    return summary, layout, artifacts
+    summary, layout, overrides, artifacts = pipeline_run
+    return summary, layout, artifacts, overrides
+
+
+def run_overrides(run):
+    return run[3]
 
 
 def test_metrics_contract(run):
-    _, layout, _ = run
+    _, layout, _, _ = run
     baseline = read_json(layout.baseline_metrics)
     assert {"heldout_cloze", "heldout_continuation", "perplexity"} <= set(baseline["tasks"])
     for name in GOOD:
@@ -34,7 +38,7 @@ def test_metrics_contract(run):
 
 
 def test_broken_recipe_fails_alone(run):
-    summary, layout, _ = run
+    summary, layout, _, _ = run
     assert read_json(layout.ptq_metrics(BROKEN))["status"] == "failed"
     assert summary["selection"]["selected"] in GOOD + [None]
     assert BROKEN in summary["selection"]["reason"]
@@ -42,20 +46,20 @@ def test_broken_recipe_fails_alone(run):
 
 
 def test_recipes_ran_concurrently(run):
-    _, layout, _ = run
+    _, layout, _, _ = run
     spans = [read_json(layout.ptq(n) / "scores.json") for n in GOOD]
     (a0, a1), (b0, b1) = [(s["started_at"], s["finished_at"]) for s in spans]
     assert a0 < b1 and b0 < a1, "the two PTQ processes did not overlap in time"
 
 
 def test_recipe_table_published_as_prefect_artifact(run):
-    _, _, artifacts = run
+    _, _, artifacts, _ = run
     keys = {a.key for a in artifacts}
     assert {"recipe-table", "qad-pipeline-report"} <= keys
 
 
 def test_qad_and_export_ran(run):
-    summary, layout, _ = run
+    summary, layout, _, _ = run
     qad = read_json(layout.qad_metrics)
     for key in ("median_recovery", "tasks", "steps", "final_loss", "ptq_median_recovery"):
         assert key in qad
@@ -66,3 +70,31 @@ def test_qad_and_export_ran(run):
     assert all(c["passed"] for c in export["checks"].values())
     assert (layout.export / "hf_quant_config.json").is_file() and (layout.export / "serving.json").is_file()
     assert summary["export"]["size_ratio"] > 1.5
+
+
+def test_mlflow_holds_the_run_and_compare_prints_it(run):
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from qad_pipeline import tracking
+    from qad_pipeline.cli import app
+
+    summary, layout, _, _ = run
+    info = summary["mlflow"]
+    assert "error" not in info, info
+    client = MlflowClient(info["uri"])
+    parent = client.get_run(info["run_id"])
+    assert parent.info.status == "FINISHED"
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {c.info.run_name: c for c in children}
+    assert {"calibration", "baseline", "selection", "qad", "final_eval", "export"} <= set(by_name)
+    assert by_name[f"ptq-{BROKEN}"].info.status == "FAILED"
+    assert by_name[f"ptq-{GOOD[0]}"].data.metrics["median_recovery"] == pytest.approx(
+        read_json(layout.ptq_metrics(GOOD[0]))["median_recovery"])
+    version = client.get_model_version_by_alias(info["registered_model"], "candidate")
+    assert version.run_id == by_name["export"].info.run_id
+
+    result = CliRunner().invoke(app, ["compare", "--out-root", str(layout.root), *sum((["--set", o] for o in run_overrides(run)), [])])
+    assert result.exit_code == 0, result.output
+    assert GOOD[0] in result.output and "qad" in result.output

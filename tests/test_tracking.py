@@ -1,0 +1,516 @@
+"""MLflow tracking from the stages' files (qad_pipeline/tracking.py), checked through MLflow's own
+client against a SQLite store in tmp_path.
+
+The layout is fake but shaped like the real one: the JSON files are written with the same keys the
+stages write (tasks/*.py); selection's files are written by the real `run_selection`, the QAD
+table by the real `comparison_table`. One broken recipe has no scores, as when its PTQ process died.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+from qad_pipeline import tracking
+from qad_pipeline.artifacts import read_json, write_json
+from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, load_params
+from qad_pipeline.layout import Layout
+from qad_pipeline.tasks.final_eval import comparison_table
+from qad_pipeline.tasks.selection import run_selection
+
+GOOD = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
+BROKEN = "broken-recipe"
+HF_TOKEN = "hf_TESTtokenValue0123456789"
+AWS_SECRET = "awsTESTsecretValue/9876543210"
+TASKS = {"heldout_cloze": ("acc", True), "heldout_continuation": ("acc", True), "perplexity": ("perplexity", False)}
+BASE = {"heldout_cloze": 0.50, "heldout_continuation": 0.60, "perplexity": 40.0}
+# per recipe: (scores, effective_bpe, size_bytes, kv_cache, kl)
+RECIPES = {
+    GOOD[0]: ({"heldout_cloze": 0.49, "heldout_continuation": 0.58, "perplexity": 41.0}, 4.75, 700_000, "fp8", 0.011),
+    GOOD[1]: ({"heldout_cloze": 0.48, "heldout_continuation": 0.57, "perplexity": 42.0}, 4.55, 650_000, "nvfp4", 0.020),
+}
+
+
+# -- builders: the files the stages write -----------------------------------------------------------
+
+
+def fp(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def task_scores(values: dict[str, float]) -> dict:
+    return {t: {"metric": TASKS[t][0], "value": v, "higher_is_better": TASKS[t][1], **(
+        {"all": {TASKS[t][0]: v}} if t != "perplexity" else {})} for t, v in values.items()}
+
+
+def touch(path: Path, t: float) -> None:
+    os.utime(path, (t, t))
+
+
+def make_params(root: Path, model_dir: Path):
+    """params.yaml with the test's model, recipes (two real ones and a broken one) and two secrets:
+    the HF token as the model revision, the AWS secret as the calibration dataset config."""
+    return load_params(DEFAULT_PARAMS, {
+        "base_model.path": str(model_dir),
+        "base_model.revision": HF_TOKEN,
+        "calibration.dataset_config": AWS_SECRET,
+        "calibration.source": str(root / "text"),
+        "ptq.recipes": [*GOOD, BROKEN],
+        "qad.steps": 5,
+        "selection.band": [0.5, 1.0],
+    })
+
+
+def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout:
+    """Every stage's files, as a complete `selection.policy: qad` run that started at t0."""
+    layout = Layout(root)
+    (root / "text").mkdir(parents=True, exist_ok=True)
+    (root / "text" / "doc.txt").write_text("Some text.")
+    layout.logs.mkdir(parents=True, exist_ok=True)
+
+    manifest = {
+        "source": params.calibration.source, "documents": 10,
+        "calibration_documents": [0, 2, 3, 5, 7], "eval_documents": [1, 4, 6, 8, 9],
+        "calibration": {"samples": 4, "seq_len": 64, "fingerprint": fp(f"calib{t0}")},
+        "eval": {"ppl_samples": 4, "seq_len": 64, "heldout_cloze": 16, "heldout_continuation": 8,
+                 "fingerprint": fp(f"eval{t0}")},
+        "tokenizer": params.base_model.path, "seed": 0,
+    }
+    write_json(layout.data / "manifest.json", manifest)
+    touch(layout.data / "manifest.json", t0 + 10)
+    (layout.logs / "calibration.log").write_text("calibration: done\n")
+
+    baseline = {"model": {"path": params.base_model.path, "revision": params.base_model.revision,
+                          "sha256": fp("model")},
+                **{"tasks": task_scores(BASE)}, "effective_bpe": 16.0, "size_bytes": 2_000_000, "status": "ok"}
+    write_json(layout.baseline_metrics, baseline)
+    touch(layout.baseline_metrics, t0 + 60)
+    # A stage log that printed the environment: the secrets must not survive into MLflow.
+    (layout.logs / "baseline.log").write_text(f"env: HF_TOKEN={HF_TOKEN} AWS_SECRET_ACCESS_KEY={AWS_SECRET}\n")
+
+    for i, (name, (scores, bpe, size, kv, kl)) in enumerate(RECIPES.items()):
+        started = t0 + 20 + i
+        write_json(layout.ptq(name) / "scores.json", {
+            "recipe": name, "status": "ok", "tasks": task_scores(scores), "kl_divergence": kl,
+            "effective_bpe": bpe, "size_bytes": size, "bf16_size_bytes": 2_000_000, "kv_cache": kv,
+            "elements_by_format": {"nvfp4": 900_000, "bf16": 100_000},
+            "layer_formats": {"model.layers.0.mlp.up_proj": "nvfp4", "lm_head": "nvfp4"},
+            "timing_s": {"quantize": 3.5, "eval": 20.0, "total": 30.0},
+            "started_at": started, "finished_at": started + 30.0, "peak_rss_mb": 900.0,
+        })
+    (layout.logs / f"ptq-{BROKEN}.log").write_text("Traceback ...\nValueError: no_such_algorithm\n")
+
+    run_selection(params, layout)  # the real stage: metrics/ptq/*.json and metrics/selection.json
+    for name in params.ptq.recipes:
+        touch(layout.ptq_metrics(name), t0 + 100)
+    touch(layout.selection_metrics, t0 + 100)
+    selection = read_json(layout.selection_metrics)
+    recipe = selection["selected"]
+
+    losses = [{"step": s, "loss": 0.5 / s, "lr": 1e-4 * (1 - s / 10)} for s in range(1, params.qad.steps + 1)]
+    write_json(layout.qad / "loss.json", {
+        "losses": losses, "steps": params.qad.steps, "resumed_from": 0, "final_loss": losses[-1]["loss"],
+        "first_loss": losses[0]["loss"], "steps_per_second": 0.5, "tokens_per_step": 2048, "seconds": 10.0,
+    })
+    touch(layout.qad / "loss.json", t0 + 200)
+
+    ptq = read_json(layout.ptq_metrics(recipe))
+    qad_values = {t: (v + qad_gain if TASKS[t][1] else v - qad_gain) for t, v in RECIPES[recipe][0].items()}
+    qad = {"recipe": recipe, "tasks": task_scores(qad_values), "kl_divergence": 0.005}
+    per_task = {t: (qad_values[t] / BASE[t] if TASKS[t][1] else BASE[t] / qad_values[t]) for t in BASE}
+    for t, r in per_task.items():
+        qad["tasks"][t]["recovery"] = r
+    qad_median = sorted(per_task.values())[1]
+    qad.update({"median_recovery": qad_median, "ptq_median_recovery": ptq["median_recovery"],
+                "qad_beats_ptq": qad_median > ptq["median_recovery"], "steps": params.qad.steps,
+                "final_loss": losses[-1]["loss"], "first_loss": losses[0]["loss"], "steps_per_second": 0.5})
+    qad["table"] = comparison_table(read_json(layout.baseline_metrics), ptq, qad, recipe)
+    write_json(layout.qad_metrics, qad)
+    touch(layout.qad_metrics, t0 + 250)
+
+    if layout.export.exists():
+        shutil.rmtree(layout.export)
+    layout.export.mkdir(parents=True)
+    write_json(layout.export / "config.json", {"architectures": ["LlamaForCausalLM"], "t0": t0})
+    write_json(layout.export / "hf_quant_config.json", {"quantization": {"quant_algo": "NVFP4"}})
+    (layout.export / "model.safetensors").write_bytes(b"\0" * 64)
+    checks = {
+        "formats": {"passed": True, "problems": [], "layers_by_format": {"nvfp4": 8, "bf16": 2}},
+        "size": {"passed": True, "expected_bpe": 4.55, "relative_difference": 0.001, "tolerance": 0.01,
+                 "effective_bpe": 4.5546, "tensor_bytes": 640_000, "elements": 1_000_000,
+                 "bf16_size_bytes": 2_000_000},
+        "reload": {"passed": True, "max_abs_logit_diff": 0.01, "max_abs_logit": 10.0, "relative": 0.001,
+                   "tolerance": 0.02, "compared": "student with weight quantizers only vs dequantized export, bf16"},
+    }
+    write_json(layout.export_metrics, {
+        "path": str(layout.export), "size_bytes": 640_064, "bf16_size_bytes": 2_000_000,
+        "size_ratio": 2_000_000 / 640_064, "effective_bpe": 4.5546, "layer_formats": {"nvfp4": 8, "bf16": 2},
+        "repaired_layer_names": 0, "checks": checks,
+        "serving": {"quant_algo": "NVFP4", "vllm": f"vllm serve {layout.export} --quantization modelopt_fp4"},
+        "passed": True,
+    })
+    touch(layout.export_metrics, t0 + 300)
+    return layout
+
+
+# -- one store, two pipeline runs logged and registered ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    """Two pipeline runs of the same out root, each logged and its export registered."""
+    root = tmp_path_factory.mktemp("tracking")
+    model_dir = root / "base-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.setenv("HF_TOKEN", HF_TOKEN)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+        params = make_params(root, model_dir)
+        uri = tracking.tracking_uri(root)
+        runs = []
+        for i, t0 in enumerate((time.time() - 7200, time.time() - 3600)):
+            layout = build_layout(root, params, t0, qad_gain=0.01 * (i + 1))
+            snapshot = {"qad": read_json(layout.qad_metrics), "export": read_json(layout.export_metrics),
+                        "manifest": read_json(layout.data / "manifest.json"), "t0": t0,
+                        "ptq": {r: read_json(layout.ptq_metrics(r)) for r in params.ptq.recipes},
+                        "selection": read_json(layout.selection_metrics)}
+            run_id = tracking.log_pipeline(layout, params, flow_run_id=f"flow-{i}", git_commit=f"{i}" * 40,
+                                           report=f"report {i}: token {HF_TOKEN}")
+            version = tracking.register_export(layout, params, run_id)
+            runs.append({"run_id": run_id, "version": version, **snapshot})
+    return {"root": root, "uri": uri, "params": params, "runs": runs, "client": MlflowClient(uri, uri)}
+
+
+def children(client, parent_id):
+    parent = client.get_run(parent_id)
+    found = client.search_runs([parent.info.experiment_id],
+                               filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")
+    return {r.info.run_name: r for r in found}
+
+
+# -- tests --------------------------------------------------------------------------------------------
+
+
+def test_tracking_uri_default_is_sqlite_in_root_and_env_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    assert tracking.tracking_uri(tmp_path) == "http://mlflow.example:5000"
+
+
+def test_check_reachable_fails_fast_naming_the_uri(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"http://127\.0\.0\.1:9"):
+        tracking.check_reachable("http://127.0.0.1:9")
+    assert time.monotonic() - started < 5
+    with pytest.raises(ConfigError, match="cannot be reached"):
+        tracking.check_reachable("http://127.0.0.1:9", timeout_s=0.5)
+    tracking.check_reachable(f"sqlite:///{tmp_path}/sub/mlflow.db")  # creates the folder
+    assert (tmp_path / "sub").is_dir()
+
+
+def test_parent_and_one_child_per_stage_and_recipe(logged):
+    client, first = logged["client"], logged["runs"][0]
+    parent = client.get_run(first["run_id"])
+    exp = client.get_experiment(parent.info.experiment_id)
+    assert exp.name == f"qad-pipeline/{logged['params'].base_model.path}"
+    assert parent.info.status == "FINISHED"
+    assert parent.data.tags["qad.kind"] == "pipeline"
+    assert parent.data.tags["prefect.flow_run_id"] == "flow-0"
+    assert parent.data.tags["mlflow.source.git.commit"] == "0" * 40
+    assert parent.data.tags["base_model.path"] == logged["params"].base_model.path
+    assert parent.data.tags["base_model.sha256"] == fp("model")
+    kids = children(client, first["run_id"])
+    assert set(kids) == {"calibration", "baseline", *(f"ptq-{r}" for r in [*GOOD, BROKEN]),
+                         "selection", "qad", "final_eval", "export"}
+    for name, run in kids.items():
+        assert run.data.tags["mlflow.parentRunId"] == first["run_id"]
+        assert run.info.status == ("FAILED" if name == f"ptq-{BROKEN}" else "FINISHED"), name
+    broken = kids[f"ptq-{BROKEN}"]
+    assert broken.data.tags["error"] == first["ptq"][BROKEN]["error"]
+    log = Path(client.download_artifacts(broken.info.run_id, f"logs/ptq-{BROKEN}.log")).read_text()
+    assert "no_such_algorithm" in log
+    good = kids[f"ptq-{GOOD[0]}"]
+    scores = first["ptq"][GOOD[0]]
+    assert good.info.start_time == int(scores["started_at"] * 1000)
+    assert good.info.end_time == int(scores["finished_at"] * 1000)
+    assert parent.info.start_time == min(r.info.start_time for r in kids.values())
+    # the configuration, flattened with dots, on the parent
+    assert parent.data.params["qad.steps"] == "5"
+    assert json.loads(parent.data.params["ptq.recipes"]) == [*GOOD, BROKEN]
+    assert parent.data.params["selection.band"] == "[0.5, 1.0]"
+    # the selection: table + reason as a JSON artifact and as tags
+    sel = first["selection"]
+    assert parent.data.tags["qad.selected"] == sel["selected"]
+    assert parent.data.tags["qad.selection.reason"] == sel["reason"]
+    sel_file = client.download_artifacts(kids["selection"].info.run_id, "selection.json")
+    logged_sel = json.loads(Path(sel_file).read_text())
+    assert logged_sel["table"] == sel["table"]
+    report = Path(client.download_artifacts(first["run_id"], "report.txt")).read_text()
+    assert report.startswith("report 0: token ") and HF_TOKEN not in report
+
+
+def test_metrics_equal_the_files(logged):
+    client, first = logged["client"], logged["runs"][0]
+    kids = children(client, first["run_id"])
+    for recipe in GOOD:
+        m, expected = kids[f"ptq-{recipe}"].data.metrics, first["ptq"][recipe]
+        for key in ("median_recovery", "effective_bpe", "size_bytes", "kl_divergence"):
+            assert m[key] == pytest.approx(expected[key]), (recipe, key)
+        for task, score in expected["tasks"].items():
+            assert m[f"score.{task}"] == pytest.approx(score["value"])
+            assert m[f"recovery.{task}"] == pytest.approx(score["recovery"])
+    qad = kids["final_eval"].data.metrics
+    assert qad["median_recovery"] == pytest.approx(first["qad"]["median_recovery"])
+    assert qad["qad_beats_ptq"] == float(first["qad"]["qad_beats_ptq"])
+    export = kids["export"].data
+    for key in ("size_bytes", "bf16_size_bytes", "size_ratio", "effective_bpe"):
+        assert export.metrics[key] == pytest.approx(first["export"][key])
+    assert export.metrics["checks.reload.relative"] == pytest.approx(first["export"]["checks"]["reload"]["relative"])
+    assert export.metrics["passed"] == 1.0
+    assert export.tags["check.formats"] == export.tags["check.size"] == export.tags["check.reload"] == "passed"
+    cal = kids["calibration"].data.metrics
+    assert cal["calibration.samples"] == first["manifest"]["calibration"]["samples"]
+
+
+def test_loss_curve_is_one_metric_per_step(logged):
+    client, first = logged["client"], logged["runs"][0]
+    qad_run = children(client, first["run_id"])["qad"]
+    history = sorted(client.get_metric_history(qad_run.info.run_id, "loss"), key=lambda m: m.step)
+    assert [m.step for m in history] == list(range(1, logged["params"].qad.steps + 1))
+    assert [m.value for m in history] == pytest.approx([0.5 / s for s in range(1, logged["params"].qad.steps + 1)])
+    assert history[0].timestamp <= history[-1].timestamp
+
+
+def test_datasets_carry_the_manifest_fingerprints(logged):
+    client, first = logged["client"], logged["runs"][0]
+    manifest = first["manifest"]
+    for run_id in (first["run_id"], children(client, first["run_id"])["calibration"].info.run_id):
+        inputs = {d.dataset.name: d for d in client.get_run(run_id).inputs.dataset_inputs}
+        assert set(inputs) == {"calibration", "eval"}
+        for name in ("calibration", "eval"):
+            full = manifest[name]["fingerprint"]
+            dataset = inputs[name].dataset
+            # MLflow stores at most 36 characters of a digest; the full fingerprint is an input tag
+            assert dataset.digest == full[:36]
+            assert {t.key: t.value for t in inputs[name].tags}["fingerprint"] == full
+            assert json.loads(dataset.profile)["fingerprint"] == full
+            assert manifest["source"] in dataset.source
+        contexts = {name: {t.key: t.value for t in d.tags}["mlflow.data.context"] for name, d in inputs.items()}
+        assert contexts == {"calibration": "calibration", "eval": "evaluation"}
+
+
+def test_export_registered_with_candidate_alias_that_moves_to_the_newer_version(logged, monkeypatch):
+    client, (first, second) = logged["client"], logged["runs"]
+    name = tracking.registered_model_name(logged["params"].base_model.path)
+    assert "/" not in name and name.endswith("-nvfp4")
+    assert (first["version"], second["version"]) == ("1", "2")
+    candidate = client.get_model_version_by_alias(name, "candidate")
+    assert str(candidate.version) == "2"
+    export_run = children(client, second["run_id"])["export"]
+    assert candidate.run_id == export_run.info.run_id
+    assert client.get_model_version(name, "1").run_id == children(client, first["run_id"])["export"].info.run_id
+    # models:/<name>@candidate leads to the run's checkpoint artifacts
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", logged["uri"])  # models:/ resolves through the default registry
+    local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@candidate"))
+    assert sorted(p.name for p in local.iterdir()) == ["config.json", "hf_quant_config.json", "model.safetensors"]
+    assert json.loads((local / "config.json").read_text())["t0"] == second["t0"]
+
+
+def test_compare_table_reads_back_the_latest_run(logged):
+    first, second = logged["runs"]
+    base = logged["params"].base_model.path
+    rows = tracking.compare_table(logged["uri"], base)
+    assert [r["name"] for r in rows] == ["bf16", *GOOD, BROKEN, "qad"]
+    by_name = {r["name"]: r for r in rows}
+    qad = by_name["qad"]
+    assert qad["median_recovery"] == pytest.approx(second["qad"]["median_recovery"])
+    assert qad["median_recovery"] != pytest.approx(first["qad"]["median_recovery"])
+    assert qad["effective_bpe"] == pytest.approx(second["export"]["effective_bpe"])
+    assert by_name["bf16"]["median_recovery"] == 1.0 and by_name["bf16"]["effective_bpe"] == 16.0
+    assert by_name[BROKEN]["status"] == "failed" and "no scores" in by_name[BROKEN]["error"]
+    selected = second["selection"]["selected"]
+    assert [r["name"] for r in rows if r["selected"]] == [selected]
+    assert by_name[selected]["median_recovery"] == pytest.approx(second["ptq"][selected]["median_recovery"])
+    assert by_name[selected]["recovery.heldout_cloze"] == pytest.approx(
+        second["ptq"][selected]["tasks"]["heldout_cloze"]["recovery"])
+    # an explicit run id (parent or child) gives the older run; the experiment name works too
+    older = tracking.compare_table(logged["uri"], f"qad-pipeline/{base}", run_id=first["run_id"])
+    assert {r["name"]: r for r in older}["qad"]["median_recovery"] == pytest.approx(first["qad"]["median_recovery"])
+    text = tracking.compare_text(rows)
+    assert f"* {selected}" in text and f"{BROKEN} FAILED" in text and "heldout_cloze" in text
+    with pytest.raises(ConfigError, match="no MLflow experiment"):
+        tracking.compare_table(logged["uri"], "no/such-model")
+
+
+def test_secrets_never_reach_params_tags_or_artifacts(logged):
+    client, root = logged["client"], logged["root"]
+    secrets = (HF_TOKEN, AWS_SECRET)
+    exp_id = client.get_run(logged["runs"][0]["run_id"]).info.experiment_id
+    runs = client.search_runs([exp_id], max_results=1000)
+    assert len(runs) == 2 * 10  # parent + 9 children, twice
+    for run in runs:
+        for key, value in [*run.data.params.items(), *run.data.tags.items()]:
+            assert not any(s in value for s in secrets), (run.info.run_name, key)
+        for d in run.inputs.dataset_inputs:
+            assert not any(s in d.dataset.source + (d.dataset.profile or "") for s in secrets)
+    parent = client.get_run(logged["runs"][0]["run_id"])
+    assert parent.data.params["base_model.revision"] == "***"  # value of a secret env var
+    assert parent.data.params["calibration.dataset_config"] == "***"
+    artifacts = [p for p in (root / "mlartifacts").rglob("*") if p.is_file()]
+    assert any(p.name == "baseline.log" for p in artifacts) and any(p.name == "params.json" for p in artifacts)
+    for path in [*artifacts, root / "mlflow.db"]:
+        data = path.read_bytes()
+        assert not any(s.encode() in data for s in secrets), path
+    for mv in client.search_model_versions():
+        assert not any(s in json.dumps([mv.tags, mv.description, mv.source]) for s in secrets)
+
+
+def test_redact_rules(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+    assert tracking.redact("HF_TOKEN", "anything") == "***"
+    assert tracking.redact("aws_secret_access_key", "x" * 20) == "***"
+    assert tracking.redact("db.Password", "hunter2") == "***"
+    assert tracking.redact("api_key", "k") == "***"
+    assert tracking.redact("tokens_per_step", 2048) == "2048"  # numbers are not secrets
+    assert tracking.redact("base_model.revision", f"main-{HF_TOKEN}") == "main-***"
+    assert tracking.redact("uri", "https://user:pa55@host/x") == "https://***@host/x"
+    assert tracking.redact("qad.lr", 1e-4) == "0.0001"
+    flat = tracking.flatten({"env": {"HF_TOKEN": HF_TOKEN, "n": 1}, "a": [1, 2]})
+    assert {k: tracking.redact(k, v) for k, v in flat.items()} == {"env.HF_TOKEN": "***", "env.n": "1", "a": "[1, 2]"}
+    nested = {"nested": [{"password": "p"}, f"x{AWS_SECRET}"]}
+    assert tracking.redact_data(nested) == {"nested": [{"password": "***"}, "x***"]}
+
+
+def test_mark_stale_runs_ends_runs_of_dead_processes(logged):
+    uri, client = logged["uri"], logged["client"]  # the shared store: a new database costs seconds
+    exp_id = tracking.ensure_experiment(client, tracking.experiment_name("some/model"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    stale = client.create_run(exp_id, tags={"qad.kind": "pipeline", "qad.host": host, "qad.pid": str(dead.pid)})
+    alive = client.create_run(exp_id, tags={"qad.kind": "pipeline", **tracking._process_tags()})
+    elsewhere = client.create_run(exp_id, tags={"qad.kind": "pipeline", "qad.host": "other-host", "qad.pid": "1"})
+    foreign = client.create_run(exp_id, tags={"note": "not ours"})
+    assert tracking.mark_stale_runs(uri) == [stale.info.run_id]
+    status = {r: client.get_run(r).info.status for r in
+              (stale.info.run_id, alive.info.run_id, elsewhere.info.run_id, foreign.info.run_id)}
+    assert status == {stale.info.run_id: "KILLED", alive.info.run_id: "RUNNING",
+                      elsewhere.info.run_id: "RUNNING", foreign.info.run_id: "RUNNING"}
+    assert "no longer runs" in client.get_run(stale.info.run_id).data.tags["qad.stale"]
+    assert tracking.mark_stale_runs(uri, all_hosts=True) == [elsewhere.info.run_id]
+    client.set_terminated(alive.info.run_id)
+    client.set_terminated(foreign.info.run_id)
+
+
+def test_failed_export_is_a_failed_run_and_is_not_registered(logged, tmp_path):
+    uri, client = logged["uri"], logged["client"]
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    params = make_params(tmp_path, model_dir)
+    layout = build_layout(tmp_path, params, time.time() - 100)
+    export = read_json(layout.export_metrics)
+    export["checks"]["size"]["passed"] = False
+    export["passed"] = False
+    write_json(layout.export_metrics, export)
+    run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=None, uri=uri)
+    assert client.get_run(run_id).info.status == "FAILED"
+    run = children(client, run_id)["export"]
+    assert run.info.status == "FAILED" and run.data.tags["check.size"] == "FAILED"
+    assert "size" in run.data.tags["error"]
+    with pytest.raises(ConfigError, match="did not pass its checks"):
+        tracking.register_export(layout, params, run_id, uri=uri)
+
+
+# -- the same round trip against PostgreSQL (skipped where PostgreSQL or psycopg2 is missing) ---------
+
+
+def _postgres_bin() -> Path | None:
+    """The folder of pg_ctl and initdb: on PATH, else Debian's /usr/lib/postgresql/<version>/bin."""
+    on_path = [shutil.which("pg_ctl"), shutil.which("initdb")]
+    if all(on_path):
+        return Path(on_path[0]).resolve().parent
+    for folder in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (folder / "pg_ctl").is_file() and (folder / "initdb").is_file():
+            return folder
+    return None
+
+
+@pytest.fixture
+def postgres_uri():
+    """A throwaway PostgreSQL server on a free port; yields its SQLAlchemy URI."""
+    import pwd
+    import tempfile
+
+    bindir = _postgres_bin()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed: no pg_ctl/initdb (Debian: apt-get install postgresql)")
+    import importlib.util
+
+    # SQLAlchemy >= 2.1 reads plain postgresql:// as psycopg 3; name whichever driver is installed.
+    driver = next((d for d in ("psycopg2", "psycopg") if importlib.util.find_spec(d)), None)
+    if driver is None:
+        pytest.skip("neither psycopg2 nor psycopg is installed (pip install psycopg2-binary): "
+                    "MLflow needs one for postgresql://")
+    run_as: list[str] = []
+    if os.geteuid() == 0:  # initdb and postgres refuse to run as root
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' user to run the server as")
+        if shutil.which("runuser") is None:
+            pytest.skip("running as root and there is no runuser to start the server as 'postgres'")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    # Outside tmp_path: the server's user must be able to reach its folder.
+    folder = Path(tempfile.mkdtemp(prefix="qad-pg-"))
+    if run_as:
+        os.chown(folder, user.pw_uid, user.pw_gid)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    db = folder / "db"
+    try:
+        subprocess.run([*run_as, str(bindir / "initdb"), "-D", str(db), "-U", "postgres", "--auth=trust",
+                        "-E", "UTF8", "--no-sync"], check=True, capture_output=True, timeout=120)
+        subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(db), "-l", str(folder / "server.log"), "-w",
+                        "-t", "60", "-o", f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off",
+                        "start"], check=True, capture_output=True, timeout=90)
+        yield f"postgresql+{driver}://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*run_as, str(bindir / "pg_ctl"), "-D", str(db), "-m", "immediate", "-w", "stop"],
+                       capture_output=True, timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_postgresql_round_trip(postgres_uri, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", postgres_uri)
+    tracking.check_reachable(postgres_uri)
+    closed = postgres_uri.rsplit(":", 1)[0] + ":9/postgres"  # nothing listens on port 9
+    with pytest.raises(ConfigError, match="cannot be reached at 127.0.0.1:9"):
+        tracking.check_reachable(closed)
+    model_dir = tmp_path / "base-model"
+    model_dir.mkdir()
+    params = make_params(tmp_path, model_dir)
+    layout = build_layout(tmp_path, params, time.time() - 600)
+    assert tracking.tracking_uri(tmp_path) == postgres_uri
+    run_id = tracking.log_pipeline(layout, params, flow_run_id="pg", git_commit=None)
+    assert tracking.register_export(layout, params, run_id) == "1"
+    rows = tracking.compare_table(postgres_uri, params.base_model.path)
+    assert [r["name"] for r in rows] == ["bf16", *GOOD, BROKEN, "qad"]
+    assert rows[-1]["median_recovery"] == pytest.approx(read_json(layout.qad_metrics)["median_recovery"])
+    assert all(r["run_id"] in {c.info.run_id for c in children(MlflowClient(postgres_uri), run_id).values()}
+               for r in rows)
