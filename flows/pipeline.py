@@ -13,6 +13,7 @@ it and selection goes on among the survivors. The flow body only wires stages.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -37,8 +38,14 @@ class StageFailed(RuntimeError):
     pass
 
 
-def run_stage_process(stage: list[str], params_file: str, overrides: list[str], layout: Layout) -> float:
-    """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/."""
+def run_stage_process(
+    stage: list[str], params_file: str, overrides: list[str], layout: Layout, threads: int | None = None
+) -> float:
+    """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
+
+    `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
+    machine's cores, unless the caller's environment already sets OMP_NUM_THREADS.
+    """
     logger = get_run_logger()
     name = "-".join(stage)
     layout.logs.mkdir(parents=True, exist_ok=True)
@@ -49,8 +56,11 @@ def run_stage_process(stage: list[str], params_file: str, overrides: list[str], 
         cmd += ["--set", item]
     logger.info("%s: started (log: %s)", name, log_path)
     started = time.time()
+    env = dict(os.environ)
+    if threads and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(threads)
     with log_path.open("w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT).returncode
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, env=env).returncode
     elapsed = time.time() - started
     if code != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
@@ -66,15 +76,15 @@ def calibration(params_file: str, overrides: list[str], layout: Layout) -> float
 
 
 @task(name="baseline")
-def baseline(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["baseline"], params_file, overrides, layout)
+def baseline(params_file: str, overrides: list[str], layout: Layout, threads: int) -> float:
+    return run_stage_process(["baseline"], params_file, overrides, layout, threads)
 
 
 @task(name="ptq", task_run_name="ptq-{recipe}")
-def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int) -> float:
+def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int, threads: int) -> float:
     slots = _ptq_slots.setdefault(max_parallel, threading.Semaphore(max_parallel))
     with slots:
-        return run_stage_process(["ptq", recipe], params_file, overrides, layout)
+        return run_stage_process(["ptq", recipe], params_file, overrides, layout, threads)
 
 
 @task(name="selection")
@@ -113,9 +123,11 @@ def qad_pipeline(
         seconds = {"calibration": calibration(params_file, overrides, layout)}
 
         started = time.time()
-        base = baseline.submit(params_file, overrides, layout)
+        at_once = min(params.ptq.max_parallel, len(params.ptq.recipes)) + 1  # + the baseline
+        threads = max(1, (os.cpu_count() or 1) // at_once)
+        base = baseline.submit(params_file, overrides, layout, threads)
         recipes = {
-            name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel)
+            name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel, threads)
             for name in params.ptq.recipes
         }
         wait([base, *recipes.values()])

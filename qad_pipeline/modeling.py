@@ -55,9 +55,10 @@ def check_base_model(params: BaseModelParams, seq_lens: dict[str, int]) -> None:
     """Fail fast on a missing path, a model that is not a causal LM, or a too-long sequence."""
     config = load_config(params)
     archs = getattr(config, "architectures", None) or []
-    causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
-        a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs
-    )
+    if archs:  # what the checkpoint holds, e.g. BertModel, even where the model type has an LM head
+        causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    else:
+        causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if not causal:
         raise ConfigError(
             f"base model {params.path!r} is not a causal LM (model_type={config.model_type!r}, "

@@ -9,8 +9,9 @@ a. formats: every layer is stored in the format its recipe asked for (no silent 
 b. size: effective bits per element and bytes, computed from the safetensors themselves, match
    what the recipe implies (within 1 %); the size ratio versus BF16 is reported;
 c. reload: the exported weights, unpacked and dequantized with Model Optimizer's NVFP4 code and
-   loaded into a plain BF16 model by transformers, reproduce the student's logits (weights-only
-   view: activation and KV quantizers off on the student, as a W4A16 server runs it).
+   loaded into a plain BF16 model by transformers, reproduce the student's next-token
+   distribution within a mean KL of 1e-3 nats per token (weights-only view: activation and KV
+   quantizers off on the student, as a W4A16 server runs it).
 
 The checkpoint is written into a temporary folder and moved into place only when every check
 passes: a failed or interrupted export never leaves a folder that looks complete. The same
@@ -38,7 +39,7 @@ from qad_pipeline.layout import Layout
 
 MANIFEST = "export_manifest.json"
 BPE_TOLERANCE = 0.01  # relative
-LOGIT_TOLERANCE = 0.02  # max |delta logit| / max |logit|
+KL_TOLERANCE = 1e-3  # nats per token; NVFP4 PTQ itself costs ~1e-2 on the demo model
 FORMAT_OF_ALGO = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "W4A8_NVFP4_FP8": "nvfp4"}
 
 
@@ -196,14 +197,19 @@ def weight_only_logits(student, batch: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor) -> dict:
-    """(c) The reloaded export reproduces the student's weight-only logits."""
+    """(c) The reloaded export reproduces the student's weight-only next-token distribution.
+
+    Judged by the mean KL divergence per token (and reported with top-1 agreement and the largest
+    logit difference): the export re-derives some global scales from the weights where the
+    fake-quantized student uses its calibrated ones, so it is close to, not bit-equal with, it.
+    """
     reloaded = reload_dequantized(folder, tensors)(input_ids=batch).logits.float()
-    max_diff = (reloaded - reference).abs().max().item()
-    scale = reference.abs().max().item()
-    rel = max_diff / scale if scale else math.inf
-    return {"passed": rel <= LOGIT_TOLERANCE, "max_abs_logit_diff": max_diff, "max_abs_logit": scale,
-            "relative": rel, "tolerance": LOGIT_TOLERANCE,
-            "compared": "student with weight quantizers only vs dequantized export, bf16"}
+    ref_lp, got_lp = torch.log_softmax(reference, -1), torch.log_softmax(reloaded, -1)
+    kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).mean().item()
+    return {"passed": kl <= KL_TOLERANCE, "kl_divergence": kl, "tolerance": KL_TOLERANCE,
+            "top1_agreement": (reference.argmax(-1) == reloaded.argmax(-1)).float().mean().item(),
+            "max_abs_logit_diff": (reloaded - reference).abs().max().item(),
+            "compared": "student with weight quantizers only vs dequantized export, bf16, mean KL per token"}
 
 
 # -- the stage ----------------------------------------------------------------------------------

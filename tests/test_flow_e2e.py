@@ -4,6 +4,8 @@ Two real recipes plus one broken one run as parallel processes; the broken one f
 selection goes on among the survivors, and the metrics contract holds.
 """
 
+import math
+
 import pytest
 
 from qad_pipeline.artifacts import read_json
@@ -63,7 +65,10 @@ def test_qad_and_export_ran(run):
     qad = read_json(layout.qad_metrics)
     for key in ("median_recovery", "tasks", "steps", "final_loss", "ptq_median_recovery"):
         assert key in qad
-    assert qad["steps"] == 4 and qad["final_loss"] < qad["first_loss"]
+    assert qad["steps"] == 4 and math.isfinite(qad["final_loss"])
+    # Four tiny steps already pull the student toward the teacher on held-out text.
+    ptq = read_json(layout.ptq_metrics(summary["selection"]["selected"]))
+    assert qad["kl_divergence"] < ptq["kl_divergence"]
     export = read_json(layout.export_metrics)
     for key in ("path", "size_bytes", "bf16_size_bytes", "effective_bpe", "layer_formats", "checks"):
         assert key in export
