@@ -28,6 +28,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.plots import write_plots
 from qad_pipeline import tracking
 from qad_pipeline.report import recipe_rows, report_markdown, report_text
 
@@ -154,6 +155,7 @@ def qad_pipeline(
         track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
         raise
     create_markdown_artifact(key="qad-pipeline-report", markdown=report_markdown(summary))
+    summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
     summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
     return summary
 

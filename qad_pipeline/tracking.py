@@ -826,6 +826,8 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
         if report:
             tags[NOTE] = report
             client.log_text(run_id, redact_text(report), "report.txt")
+        for png in sorted((layout.metrics / "plots").glob("*.png")):
+            client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
         _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
     except BaseException:

@@ -103,3 +103,14 @@ def test_mlflow_holds_the_run_and_compare_prints_it(run):
     result = CliRunner().invoke(app, ["compare", "--out-root", str(layout.root), *sum((["--set", o] for o in run_overrides(run)), [])])
     assert result.exit_code == 0, result.output
     assert GOOD[0] in result.output and "qad" in result.output
+
+
+def test_plots_drawn_and_logged(run):
+    from mlflow import MlflowClient
+
+    summary, layout, _, _ = run
+    assert {p.rsplit("/", 1)[-1] for p in summary["plots"]} == {"recovery_vs_bpe.png", "qad_loss.png"}
+    for p in summary["plots"]:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    logged = MlflowClient(summary["mlflow"]["uri"]).list_artifacts(summary["mlflow"]["run_id"], "plots")
+    assert {a.path for a in logged} == {"plots/recovery_vs_bpe.png", "plots/qad_loss.png"}
