@@ -116,8 +116,9 @@ def check_formats(expected: dict[str, str], tensors: dict[str, torch.Tensor], qu
         held = {tensor_format(n, tensors) for n in tensors if n.startswith(layer + ".") and n.endswith(".weight")}
         if want and held != {want}:
             problems.append(f"hf_quant_config says {layer} is {spec.get('quant_algo')}, tensors are {sorted(held)}")
-    counts = Counter(fmt for fmts in exported.values() for fmt in fmts)
-    return {"passed": not problems, "problems": problems[:20], "layers_by_format": dict(counts)}
+    formats = {name: "+".join(sorted(fmts)) for name, fmts in sorted(exported.items())}
+    return {"passed": not problems, "problems": problems[:20], "layer_formats": formats,
+            "layers_by_format": dict(Counter(formats.values()))}
 
 
 def export_size(tensors: dict[str, torch.Tensor]) -> dict:
@@ -316,7 +317,8 @@ def run_export(params: Params, layout: Layout) -> dict:
             "bf16_size_bytes": checks["size"]["bf16_size_bytes"],
             "size_ratio": checks["size"]["bf16_size_bytes"] / size_bytes,
             "effective_bpe": checks["size"]["effective_bpe"],
-            "layer_formats": checks["formats"]["layers_by_format"],
+            "layer_formats": checks["formats"]["layer_formats"],
+            "layers_by_format": checks["formats"]["layers_by_format"],
             "repaired_layer_names": len(repaired),
             "checks": checks,
             "serving": serving,

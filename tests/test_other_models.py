@@ -1,0 +1,38 @@
+"""Any Hugging Face causal LM works as the base model: the recipes apply to what it has."""
+
+import shutil
+
+import pytest
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from qad_pipeline.config import load_params
+from qad_pipeline.tasks.calibration import build_calibration
+from qad_pipeline.tasks.ptq import run_ptq
+from tests.conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, demo_model_path):
+    """A tiny Llama (no Mamba, no MoE) with the demo tokenizer; its weights are random, which is
+    enough to check that every recipe maps onto a different architecture."""
+    folder = tmp_path_factory.mktemp("llama")
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_model_path).save_pretrained(folder)
+    return folder
+
+
+def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
+    recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
+    params = load_params(overrides=TINY + [f"base_model.path={llama_dir}", "eval.tasks=[heldout_continuation]"])
+    build_calibration(params, AutoTokenizer.from_pretrained(llama_dir), tmp_path / "data")
+    result = run_ptq(params, recipe, tmp_path / "data", tmp_path / "ptq")
+    formats = result["layer_formats"]
+    assert formats["lm_head.weight"] == "nvfp4"
+    assert formats["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
+    assert formats["model.layers.0.self_attn.q_proj.weight"] == "bf16"  # attention stays BF16
+    assert formats["model.embed_tokens.weight"] == "bf16"
+    assert result["kv_cache"] == "nvfp4"
+    assert result["kl_divergence"] > 0
+    shutil.rmtree(tmp_path / "ptq")
