@@ -105,6 +105,11 @@ def run(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     typer.echo(report_text(summary))
+    tracked = summary.get("mlflow", {})
+    if "run_id" in tracked:
+        model = f"; registered {tracked['registered_model']} v{tracked['model_version']} @candidate" if tracked.get(
+            "model_version") else ""
+        typer.echo(f"MLflow: run {tracked['run_id']} in {tracked['uri']}{model}")
     if summary["selection"]["selected"] is None:
         raise typer.Exit(1)
 

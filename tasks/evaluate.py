@@ -14,7 +14,6 @@ The BF16 baseline stage (`run_baseline`) writes `metrics/baseline.json`.
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
@@ -25,9 +24,6 @@ import yaml
 from qad_pipeline.artifacts import write_json
 from qad_pipeline.config import ConfigError, EvalParams, Params, resolve
 from qad_pipeline.tasks.calibration import load_ppl_windows
-
-log = logging.getLogger(__name__)
-
 
 def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | None:
     """The project's task YAML, pointed at the held-out jsonl of this run; None if not ours."""

@@ -21,10 +21,7 @@ checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores:
 
 from __future__ import annotations
 
-import json
-import math
 import re
-import shutil
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path

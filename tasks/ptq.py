@@ -15,7 +15,6 @@ or runs out of memory takes only itself down.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -27,9 +26,6 @@ from qad_pipeline.modeling import load_model, load_tokenizer
 from qad_pipeline.sizes import kv_cache_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration, load_ppl_windows
 from qad_pipeline.tasks.evaluate import evaluate_model, next_token_logprobs
-
-log = logging.getLogger(__name__)
-
 
 def load_quantize_config(recipe_path: Path):
     """The recipe's quantize section, through Model Optimizer's own recipe loader."""

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from qad_pipeline.cli import app
 from qad_pipeline.config import ConfigError, load_params
-from qad_pipeline.tasks.calibration import build_calibration, read_documents
+from qad_pipeline.tasks.calibration import read_documents
 
 runner = CliRunner()
 

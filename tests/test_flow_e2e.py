@@ -81,7 +81,6 @@ def test_mlflow_holds_the_run_and_compare_prints_it(run):
     from mlflow import MlflowClient
     from typer.testing import CliRunner
 
-    from qad_pipeline import tracking
     from qad_pipeline.cli import app
 
     summary, layout, _, _ = run

@@ -1,6 +1,5 @@
 """QAD: resume after a kill, refuse a student of another model, stop on a non-finite loss."""
 
-import os
 import shutil
 import signal
 import subprocess
