@@ -35,9 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qad_pipeline import nvfp4_cpu  # noqa: E402
+from qad_pipeline.nvfp4_cases import BLOCK, KINDS, sample  # noqa: E402
 
-BLOCK = 16
-KINDS = ("normal", "outliers", "negative", "heavy_tail", "sparse")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
 
@@ -104,24 +103,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def sample(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random test tensor (float32 draw cast to ``dtype``) with all-zero and constant blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen)
-    if kind == "outliers":
-        flat = x.view(-1)
-        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 500),), generator=gen)
-        flat[idx] *= 40.0
-    elif kind == "negative":
-        x = -x.abs()
-    elif kind == "heavy_tail":
-        x = x * torch.exp(2.0 * torch.randn(shape, generator=gen))
-    elif kind == "sparse":
-        x = x * (torch.rand(shape, generator=gen) < 0.3)
-    rows = x.view(-1, shape[-1])
-    rows[1, : 2 * BLOCK] = 0.0
-    rows[2, BLOCK : 2 * BLOCK] = -0.5
-    return x.to(dtype)
 
 
 def with_ties(x: torch.Tensor) -> torch.Tensor:

@@ -31,12 +31,12 @@ import pytest
 import torch
 
 from qad_pipeline import nvfp4_cpu
+from qad_pipeline.nvfp4_cases import BLOCK, KINDS, sample
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.quantization import tensor_quant  # noqa: E402
 from modelopt.torch.quantization.qtensor import NVFP4QTensor  # noqa: E402
 
-BLOCK = 16
 INV_6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)
 INV_2688 = torch.tensor(1.0 / 2688.0, dtype=torch.float32)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -47,26 +47,8 @@ E2M1_VALUES = NVFP4QTensor.get_e2m1_values(torch.device("cpu"))
 # inputs
 
 
-def _sample(kind: str, shape: tuple[int, int], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A test tensor of one of several shapes of distribution; zero rows are all-zero blocks."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen)
-    if kind == "outliers":
-        flat = x.view(-1)
-        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 500),), generator=gen)
-        flat[idx] *= 40.0
-    elif kind == "negative":
-        x = -x.abs()
-    elif kind == "heavy_tail":
-        x = x * torch.exp(2.0 * torch.randn(shape, generator=gen))
-    elif kind == "sparse":
-        x = x * (torch.rand(shape, generator=gen) < 0.3)
-    x[1, : 2 * BLOCK] = 0.0  # two all-zero blocks
-    x[2, BLOCK : 2 * BLOCK] = -0.5  # a constant negative block
-    return x.to(dtype)
 
 
-KINDS = ["normal", "outliers", "negative", "heavy_tail", "sparse"]
 
 
 def _with_global_amax(x: torch.Tensor, global_amax: float) -> torch.Tensor:
@@ -275,7 +257,7 @@ def test_fp4_cast_matches_nvfp4qtensor(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_dynamic_matches_nvfp4qtensor(kind, dtype):
-    x = _sample(kind, (64, 256), dtype, seed=KINDS.index(kind))
+    x = sample(kind, (64, 256), dtype, seed=KINDS.index(kind))
     global_amax = x.float().abs().amax()
     expected = _ref_dynamic(x, global_amax * INV_2688)
     assert torch.equal(nvfp4_cpu.fp4_fake_quant_block(x, global_amax), expected)
@@ -285,7 +267,7 @@ def test_dynamic_matches_nvfp4qtensor(kind, dtype):
 def test_dynamic_matches_nvfp4qtensor_default_global_scale(dtype):
     # 5.25 = 2688 / 2**9: the CUDA (reciprocal) and CPU (true division) global scales coincide,
     # so NVFP4QTensor's own global scale can be used unmodified.
-    x = _with_global_amax(_sample("outliers", (32, 128), dtype, seed=11), 5.25)
+    x = _with_global_amax(sample("outliers", (32, 128), dtype, seed=11), 5.25)
     expected = _ref_dynamic(x, None)
     assert torch.equal(nvfp4_cpu.fp4_fake_quant_block(x, x.float().abs().amax()), expected)
 
@@ -295,14 +277,14 @@ def test_dynamic_global_scale_is_the_cuda_reciprocal_form():
     # bit; the emulation must follow CUDA.
     global_amax = torch.tensor(1.0090899467468262)
     assert global_amax / 2688.0 != global_amax * INV_2688
-    x = _sample("normal", (32, 128), torch.float32, seed=12) * 0.2
+    x = sample("normal", (32, 128), torch.float32, seed=12) * 0.2
     out = nvfp4_cpu.fp4_fake_quant_block(x, global_amax)
     assert torch.equal(out, _ref_dynamic(x, global_amax * INV_2688))
     assert not torch.equal(out, _ref_dynamic(x, global_amax / 2688.0))
 
 
 def test_dynamic_three_dims_and_short_last_block():
-    x = _sample("normal", (6, 100), torch.bfloat16, seed=5).reshape(2, 3, 100)
+    x = sample("normal", (6, 100), torch.bfloat16, seed=5).reshape(2, 3, 100)
     global_amax = x.float().abs().amax()
     padded = torch.nn.functional.pad(x.reshape(6, 100), (0, 12))  # zero padding, as the kernel
     expected = _ref_dynamic(padded, global_amax * INV_2688)[:, :100].reshape(2, 3, 100)
@@ -312,7 +294,7 @@ def test_dynamic_three_dims_and_short_last_block():
 def test_dynamic_scale_floor_and_underflow_follow_triton():
     # No CPU counterpart in modelopt: NVFP4QTensor clamps block scales to >= 2**-9 instead of
     # flushing, so these blocks are checked against the per-block transcription of the kernel.
-    x = _sample("normal", (4, 64), torch.float32, seed=7)
+    x = sample("normal", (4, 64), torch.float32, seed=7)
     x[0, :16] *= 1e-6  # scale far below 1e-5 -> scale 1.0 -> block rounds to zero
     x[0, 16:32] *= 3e-5  # scale near the 1e-5 floor
     x[3, :16] *= 1e-8  # FP8 scale underflows to zero
@@ -335,7 +317,7 @@ def test_dynamic_rejects_unsupported_dtype():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_static_matches_nvfp4qtensor_export(kind, dtype, fp8_max):
-    x = _with_global_amax(_sample(kind, (64, 256), dtype, seed=20 + KINDS.index(kind)), 6.0)
+    x = _with_global_amax(sample(kind, (64, 256), dtype, seed=20 + KINDS.index(kind)), 6.0)
     block_amax = _block_amax(x)
     global_amax = torch.tensor(6.0)
     expected = _ref_static_export(x, block_amax, global_amax, fp8_max)
@@ -384,7 +366,7 @@ def test_static_block_scales_match_modelopt_fp8_fake_quant(fp8_max):
 @pytest.mark.parametrize("fp8_max", [448.0, 256.0])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_static_elements_match_nvfp4qtensor_for_any_global_amax(dtype, fp8_max):
-    x = _sample("outliers", (64, 256), dtype, seed=31)
+    x = sample("outliers", (64, 256), dtype, seed=31)
     block_amax = _block_amax(x) * 0.9  # as after an MSE search: some elements clip at 6
     global_amax = x.float().abs().amax() * 1.01
     scale = nvfp4_cpu.compute_fp4_scales(block_amax, global_amax, True, fp8_max)
@@ -398,7 +380,7 @@ def test_static_elements_match_nvfp4qtensor_for_any_global_amax(dtype, fp8_max):
 
 
 def test_static_zero_and_non_finite_scales_follow_triton():
-    x = _sample("normal", (4, 64), torch.float32, seed=9)
+    x = sample("normal", (4, 64), torch.float32, seed=9)
     block_amax = _block_amax(x).reshape(-1).clone()
     block_amax[1] = 1e-9  # FP8 scale underflows to zero -> all-zero block
     block_amax[2] = 0.0
@@ -429,7 +411,7 @@ def test_fake_quant_4096_square_is_fast():
 
 
 def test_modelopt_entry_points_route_to_cpu_kernels(installed):
-    x = _sample("outliers", (32, 128), torch.bfloat16, seed=4)
+    x = sample("outliers", (32, 128), torch.bfloat16, seed=4)
     amax = x.float().abs().amax()
     out = tensor_quant.dynamic_block_quant(x, BLOCK, amax, None, (2, 1), (4, 3))
     assert torch.equal(out, _ref_dynamic(x, amax * INV_2688))
