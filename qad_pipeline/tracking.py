@@ -718,7 +718,9 @@ def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | Non
     run = client.create_run(exp_id, start_time=start_ms, run_name=name,
                             tags={KIND: "pipeline", **_process_tags()})
     run_id = run.info.run_id
-    identity = _checkpoint_identity(layout, params)
+    # Path and revision now; the content hash is tagged by `log_pipeline` from this run's baseline
+    # (a baseline.json already in the out root may belong to an earlier run and another model).
+    identity = {"path": params.base_model.path, "revision": params.base_model.revision}
     tags = {
         LOGGED_AT: f"{int(time.time() * 1000):015d}",
         "qad.out_root": str(layout.root),
@@ -810,7 +812,8 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
 
         derived_status, why = pipeline_status(layout, params)
         metrics: dict[str, float] = {}
-        tags: dict[str, Any] = {"qad.result": why, "qad.children": json.dumps(child_ids)}
+        tags: dict[str, Any] = {"qad.result": why, "qad.children": json.dumps(child_ids),
+                                **{f"base_model.{k}": v for k, v in _checkpoint_identity(layout, params).items()}}
         if "selection" in by_stage:
             sel = by_stage["selection"]
             tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
