@@ -26,10 +26,11 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import DEFAULT_PARAMS, PROJECT_ROOT, load_params
+from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.plots import write_plots
-from qad_pipeline import tracking
+from qad_pipeline import tracking, versioning
+from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 from qad_pipeline.report import recipe_rows, report_markdown, report_text
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
@@ -61,7 +62,7 @@ def run_stage_process(
     if threads and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(threads)
     with log_path.open("w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, env=env).returncode
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=env).returncode
     elapsed = time.time() - started
     if code != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
@@ -110,15 +111,39 @@ def export(params_file: str, overrides: list[str], layout: Layout) -> float:
 
 @flow(name="qad-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True)
 def qad_pipeline(
-    params_file: str = str(DEFAULT_PARAMS),
+    params_file: str = "params.yaml",
     overrides: list[str] | None = None,
-    out_root: str = str(PROJECT_ROOT),
+    out_root: str | None = None,
 ) -> dict:
-    """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export."""
+    """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export.
+
+    `params_file` is relative to the working directory; `out_root` defaults to its folder.
+    """
     overrides = list(overrides or [])
-    params_file = str(Path(params_file).resolve())  # the stage processes run in the project root
+    params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)
-    layout = Layout(Path(out_root).resolve())
+    layout = Layout(Path(out_root or Path(params_file).parent).resolve())
+    logger = get_run_logger()
+    with run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
+        previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token  # the stage processes pass it on
+        try:
+            with dvc_write_lock(layout.root, f"qad-pipeline run (Prefect flow run {_flow_run_name()}) is writing "
+                                             "this project's outputs; wait for it to finish or cancel it"):
+                summary = _run_stages(params_file, overrides, params, layout)
+        finally:
+            if previous is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = previous
+        recorded, message = versioning.record_run(
+            layout.root, Path(params_file), overrides,
+            versioning.stage_names([k for k in summary["seconds"] if "(wall)" not in k], params.ptq.recipes))
+    (logger.info if recorded or not versioning.dvc_project(layout.root) else logger.warning)(message)
+    summary["dvc"] = message
+    return summary
+
+
+def _run_stages(params_file: str, overrides: list[str], params, layout: Layout) -> dict:
     parent_run = start_tracking(layout, params)
     try:
         seconds = {"calibration": calibration(params_file, overrides, layout)}
@@ -185,6 +210,12 @@ def track(layout: Layout, params, report: str, parent_run: str | None, export_me
             "MLflow logging failed (%s). Every result is on disk under %s; log it later with "
             "`qad-pipeline log-mlflow --out-root %s`", err, layout.root, layout.root)
         return {"error": str(err)}
+
+
+def _flow_run_name() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.name
 
 
 def _flow_run_id() -> str | None:

@@ -17,8 +17,6 @@ from typing import Annotated
 import typer
 
 from qad_pipeline.config import (
-    DEFAULT_PARAMS,
-    PROJECT_ROOT,
     ConfigError,
     Params,
     StageError,
@@ -29,7 +27,10 @@ from qad_pipeline.layout import Layout
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 
-ParamsOpt = Annotated[Path, typer.Option("--params", help="params file with every default")]
+ParamsOpt = Annotated[
+    Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
+]
+DEFAULT_PARAMS = Path("params.yaml")
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),
@@ -37,7 +38,14 @@ SetOpt = Annotated[
 BaseOpt = Annotated[
     str | None, typer.Option("--base-model", help="base model: local folder or hub id (base_model.path)")
 ]
-RootOpt = Annotated[Path, typer.Option("--out-root", help="folder that receives artifacts/ and metrics/")]
+RootOpt = Annotated[
+    Path | None,
+    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
+]
+
+
+def out_root_for(out_root: Path | None, params_file: Path) -> Path:
+    return (out_root or params_file.resolve().parent).resolve()
 
 
 class Stage(str, Enum):
@@ -83,9 +91,10 @@ def run(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
-    out_root: RootOpt = PROJECT_ROOT,
+    out_root: RootOpt = None,
 ) -> None:
     """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
+    out_root = out_root_for(out_root, params_file)
     try:
         params = resolve_params(params_file, overrides, base_model)
         preflight(params, out_root)
@@ -99,9 +108,11 @@ def run(
     from qad_pipeline.report import report_text
 
     items = list(overrides or []) + ([f"base_model.path={base_model}"] if base_model else [])
+    from qad_pipeline.runlock import LockHeld
+
     try:
         summary = qad_pipeline(params_file=str(params_file), overrides=items, out_root=str(out_root))
-    except StageFailed as err:
+    except (StageFailed, LockHeld) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
     typer.echo(report_text(summary))
@@ -121,7 +132,7 @@ def stage(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
-    out_root: RootOpt = PROJECT_ROOT,
+    out_root: RootOpt = None,
 ) -> None:
     """Run one stage by itself; the flow's tasks and `dvc repro` call exactly this."""
     try:
@@ -134,9 +145,13 @@ def stage(
             check_recipes(params)
     except ConfigError as err:
         _fail(err)
-    layout = Layout(Path(out_root))
+    from qad_pipeline.runlock import run_lock
+
+    layout = Layout(out_root_for(out_root, params_file))
+    what = f"run stage {name.value}" + (f" {recipe}" if recipe else "")
     try:
-        run_stage(name, params, layout, recipe)
+        with run_lock(layout.root, what, on_stale=lambda msg: typer.echo(f"warning: {msg}", err=True)):
+            run_stage(name, params, layout, recipe)
     except (ConfigError, StageError) as err:
         _fail(err)
 
@@ -146,14 +161,14 @@ def log_mlflow(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
-    out_root: RootOpt = PROJECT_ROOT,
+    out_root: RootOpt = None,
 ) -> None:
     """Log a finished run's files to MLflow again (e.g. after the tracking server was away)."""
     from qad_pipeline import tracking
     from qad_pipeline.artifacts import read_json
     from qad_pipeline.report import recipe_rows, report_text
 
-    layout = Layout(Path(out_root))
+    layout = Layout(out_root_for(out_root, params_file))
     try:
         params = resolve_params(params_file, overrides, base_model)
         tracking.check_reachable(tracking.tracking_uri(layout.root))
@@ -178,14 +193,14 @@ def compare(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
-    out_root: RootOpt = PROJECT_ROOT,
+    out_root: RootOpt = None,
 ) -> None:
     """Print the recipe table of the latest (or a given) pipeline run, read back from MLflow."""
     from qad_pipeline import tracking
 
     try:
         params = resolve_params(params_file, overrides, base_model)
-        uri = tracking.tracking_uri(Path(out_root))
+        uri = tracking.tracking_uri(out_root_for(out_root, params_file))
         tracking.check_reachable(uri)
         rows = tracking.compare_table(uri, tracking.experiment_name(params.base_model.path), run_id)
     except (ConfigError, LookupError) as err:
@@ -225,13 +240,14 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
 
         typer.echo(run_selection(params, layout).reason)
     elif name is Stage.qad:
-        from qad_pipeline.artifacts import read_json
+        from qad_pipeline.artifacts import read_json, write_json
         from qad_pipeline.tasks.qad import run_qad
 
         selected = read_json(layout.selection_metrics)["selected"]
         if selected is None:
             raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
         result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+        write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
         typer.echo(f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}")
     elif name is Stage.final_eval:
         from qad_pipeline.tasks.final_eval import run_final_eval

@@ -14,8 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
 DEFAULT_PARAMS = PROJECT_ROOT / "params.yaml"
+# Relative paths in a params file are relative to the file's folder (the project folder, where
+# dvc.yaml sits), whatever the working directory; load_params records that folder here.
+_params_root: Path | None = None
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
@@ -114,14 +117,19 @@ class Params(_Section):
     selection: SelectionParams
     qad: QADParams
 
-    def recipe_path(self, name: str, root: Path = PROJECT_ROOT) -> Path:
+    def recipe_path(self, name: str, root: Path | None = None) -> Path:
         return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"
 
 
-def resolve(path: str | Path, root: Path = PROJECT_ROOT) -> Path:
-    """A path from params.yaml: relative paths are relative to the project root."""
+def project_root() -> Path:
+    """The folder of the params file loaded last (the working directory before any is loaded)."""
+    return _params_root or Path.cwd()
+
+
+def resolve(path: str | Path, root: Path | None = None) -> Path:
+    """A path from params.yaml: relative paths are relative to the params file's folder."""
     p = Path(path).expanduser()
-    return p if p.is_absolute() else root / p
+    return p if p.is_absolute() else (root or project_root()) / p
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -168,9 +176,11 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 def load_params(
     path: Path = DEFAULT_PARAMS, overrides: list[str] | dict[str, Any] | None = None
 ) -> Params:
-    """Load and validate params.yaml with overrides applied."""
+    """Load and validate params.yaml with overrides applied; its folder becomes the project root."""
+    global _params_root
     if not Path(path).is_file():
-        raise ConfigError(f"params file {str(path)!r} does not exist")
+        raise ConfigError(f"params file {str(path)!r} does not exist (run from the project folder or pass --params)")
+    _params_root = Path(path).resolve().parent
     data = yaml.safe_load(Path(path).read_text()) or {}
     if overrides:
         data = apply_overrides(data, overrides)
@@ -180,7 +190,7 @@ def load_params(
         raise ConfigError(_format_validation_error(err, str(path))) from None
 
 
-def check_recipes(params: Params, root: Path = PROJECT_ROOT) -> None:
+def check_recipes(params: Params, root: Path | None = None) -> None:
     """Every named recipe has its file: an unknown name fails listing the ones that exist."""
     recipe_dir = resolve(params.ptq.recipe_dir, root)
     available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))

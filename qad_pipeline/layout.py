@@ -49,6 +49,16 @@ class Layout:
         return self.metrics / "selection.json"
 
     @property
+    def recovery_table(self) -> Path:
+        """Median recovery and bits per element per recipe: the data of DVC's recovery plot."""
+        return self.metrics / "recovery.json"
+
+    @property
+    def qad_loss(self) -> Path:
+        """The QAD loss per step: the data of DVC's loss plot."""
+        return self.metrics / "qad_loss.json"
+
+    @property
     def qad_metrics(self) -> Path:
         return self.metrics / "qad.json"
 
@@ -66,8 +76,8 @@ class Layout:
             "calibration": [self.data],
             "baseline": [self.baseline_metrics],
             "ptq": [self.ptq(recipe)] if recipe else [],
-            "selection": [self.selection_metrics, self.metrics / "ptq"],
-            "qad": [self.qad],
+            "selection": [self.selection_metrics, self.metrics / "ptq", self.recovery_table],
+            "qad": [self.qad, self.qad_loss],
             "final_eval": [self.qad_metrics],
             "export": [self.export_metrics],
         }[stage]

@@ -91,10 +91,10 @@ def git_commit() -> str | None:
     """The project's current git commit (with "-dirty" when it has uncommitted changes), if any."""
     import subprocess
 
-    from qad_pipeline.config import PROJECT_ROOT
+    from qad_pipeline.config import project_root
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
+        return subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
 
     try:

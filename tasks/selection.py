@@ -133,5 +133,9 @@ def run_selection(params: Params, layout: Layout) -> Selection:
         write_json(layout.ptq_metrics(name), metrics)
         rows.append(row(metrics))
     selection = select_recipe(rows, params.selection)
+    write_json(layout.recovery_table, [
+        {"recipe": r.name, "effective_bpe": r.effective_bpe, "median_recovery": r.median_recovery}
+        for r in rows if r.status == "ok"
+    ])
     write_json(layout.selection_metrics, asdict(selection))
     return selection

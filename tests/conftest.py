@@ -52,7 +52,7 @@ def pipeline_run(tmp_path_factory, demo_model_path):
     )
     overrides = TINY + [f"ptq.recipe_dir={recipes}", f"ptq.recipes=[{', '.join(GOOD_RECIPES + [BROKEN_RECIPE])}]"]
     with prefect_test_harness(server_startup_timeout=120):
-        summary = qad_pipeline(overrides=overrides, out_root=str(root))
+        summary = qad_pipeline(params_file=str(PROJECT_ROOT / "params.yaml"), overrides=overrides, out_root=str(root))
         with get_client(sync_client=True) as client:
             artifacts = client.read_latest_artifacts()
     return summary, Layout(root), overrides, artifacts

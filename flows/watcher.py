@@ -1,0 +1,313 @@
+"""The `watch-base-checkpoints` flow: `prefect deployment run watch-base-checkpoints/cron` (it runs on a cron schedule).
+
+Each tick looks for base checkpoints it has not seen and starts the pipeline deployment once for
+each, without waiting for it:
+
+    local folders (watch_dir) ──┐
+                                ├── new identities ── run_deployment(deployment) ── state file
+    hub ids (newest revision) ──┘
+
+- A local checkpoint is an immediate subfolder of `watch_dir`. It is picked up when it holds
+  `config.json`, holds no file ending in `.incomplete` or `.tmp` (downloads and copies in
+  progress) and none of its files has changed for `settle_seconds`. Its identity is the sha256
+  that the pipeline's baseline records for it (`qad_pipeline.modeling.checkpoint_identity`: the
+  relative path and bytes of every file, in sorted order), so a copy of a seen checkpoint is seen,
+  and a changed file makes a new checkpoint.
+- A hub checkpoint is `<hub id>@<commit sha>` of the id's newest revision; the run pins that
+  revision with the override `base_model.revision=<sha>`.
+
+Each run writes under its own `runs_root/<model slug>-<first 12 hex of the identity's hash>`, so
+runs on different base models never share outputs.
+
+The state file (JSON, `state_file`) maps each identity to the flow run it started, and caches each
+folder's listing (path, size, mtime_ns) with its hash, so an unchanged folder is not read again.
+It is rewritten atomically after every trigger, and every trigger carries an idempotency key, so a
+watcher killed between starting a run and recording it gets the same run back on its next tick.
+To run a seen checkpoint again, start the deployment by hand with the same parameters. A failed
+trigger is not recorded: it is retried on the next tick, and the watcher's own run fails naming it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, NamedTuple
+
+from prefect import flow, get_run_logger
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from pydantic import Field
+
+from qad_pipeline.artifacts import read_json, write_json
+
+FLOW_NAME = "watch-base-checkpoints"
+IN_PROGRESS_SUFFIXES = (".incomplete", ".tmp")
+
+
+class WatcherError(RuntimeError):
+    """The watcher could not do its job: busy, unreadable state, or a trigger that failed.
+
+    When the run fails at the end, `summary` holds what it would have returned.
+    """
+
+    def __init__(self, message: str, summary: dict | None = None):
+        super().__init__(message)
+        self.summary = summary
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One base checkpoint as the pipeline receives it."""
+
+    name: str  # the folder's name or the hub id; its slug names the run folder
+    base_model: str  # the pipeline's `base_model` parameter: a folder path or a hub id
+    identity: str  # "sha256:<hex>" for a folder, "<hub id>@<commit sha>" for a hub revision
+    fingerprint: str  # the hex in the identity; its first 12 characters name the run folder
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def run_name(self) -> str:
+        return f"{slug(self.name)}-{self.fingerprint[:12]}"
+
+
+class FolderScan(NamedTuple):
+    checkpoints: list[Checkpoint]  # settled folders, in name order
+    waiting: list[str]  # why each other subfolder is not picked up yet
+    cache: dict  # folder path -> {"files": listing, "sha256": hash}, for the folders seen now
+
+
+def slug(name: str) -> str:
+    """`nvidia/Nemotron-H-8B` -> `nvidia-nemotron-h-8b`: safe as a folder name and a run name."""
+    return re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-.") or "model"
+
+
+def list_files(folder: Path) -> list[list]:
+    """[relative path, size, mtime_ns] of every file under `folder`, in the order they are hashed."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return [[p.relative_to(folder).as_posix(), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+
+
+def folder_sha256(folder: Path, files: list[list]) -> str:
+    """sha256 over each file's relative path and bytes, in the order `list_files` gives them.
+
+    The same digest as `qad_pipeline.modeling.checkpoint_identity` (which imports torch, too heavy
+    for a control-plane watcher); tests/test_watcher.py checks that the two agree.
+    """
+    digest = hashlib.sha256()
+    for rel, _size, _mtime in files:
+        digest.update(rel.encode())
+        with (folder / rel).open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def not_ready(folder: Path, files: list[list], settle_seconds: float, now: float) -> str | None:
+    """Why `folder` is not a checkpoint to pick up yet, or None when it is."""
+    if not (folder / "config.json").is_file():
+        return f"{folder}: no config.json yet"
+    busy = [rel for rel, _, _ in files if rel.endswith(IN_PROGRESS_SUFFIXES)]
+    if busy:
+        return f"{folder}: still being written ({busy[0]})"
+    newest = max([folder.stat().st_mtime_ns] + [mtime for _, _, mtime in files]) / 1e9
+    if now - newest < settle_seconds:
+        return f"{folder}: changed {now - newest:.0f}s ago, waiting until it is {settle_seconds:g}s old"
+    return None
+
+
+def scan_folder(watch_dir: Path, settle_seconds: float, cache: dict, now: float | None = None) -> FolderScan:
+    """The settled checkpoints among the immediate subfolders of `watch_dir`.
+
+    A folder whose listing (path, size, mtime_ns of every file) equals its entry in `cache` keeps
+    the cached hash instead of being read again; one that changes while it is hashed waits.
+    """
+    now = time.time() if now is None else now
+    checkpoints, waiting, new_cache = [], [], {}
+    for folder in sorted(p for p in watch_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        folder = folder.absolute()
+        try:
+            files = list_files(folder)
+            reason = not_ready(folder, files, settle_seconds, now)
+            entry = cache.get(str(folder))
+            if not reason and (not entry or entry["files"] != files):
+                entry = {"files": files, "sha256": folder_sha256(folder, files)}
+                if list_files(folder) != files:
+                    reason = f"{folder}: changed while it was being hashed"
+        except OSError as err:  # a file removed or replaced while we looked
+            reason = f"{folder}: changed while it was being read ({err})"
+        if reason:
+            waiting.append(reason)
+            continue
+        new_cache[str(folder)] = entry
+        checkpoints.append(Checkpoint(folder.name, str(folder), f"sha256:{entry['sha256']}", entry["sha256"]))
+    return FolderScan(checkpoints, waiting, new_cache)
+
+
+def latest_hub_revision(model_id: str) -> str:
+    """The commit sha of the newest revision of a Hugging Face hub model (one API call)."""
+    from huggingface_hub import HfApi
+
+    sha = HfApi().model_info(model_id).sha
+    if not sha:
+        raise WatcherError(f"the hub returned no revision for {model_id}")
+    return sha
+
+
+def hub_checkpoint(model_id: str, sha: str) -> Checkpoint:
+    return Checkpoint(model_id, model_id, f"{model_id}@{sha}", sha, (f"base_model.revision={sha}",))
+
+
+def find_checkpoints(
+    watch_dir: str | None, hub_model_ids: list[str] | None, settle_seconds: float, state: dict
+) -> tuple[list[Checkpoint], list[str], list[dict]]:
+    """Every checkpoint there is now, why some folders wait, and the hub ids that could not be looked up.
+
+    Replaces the state's folder cache with the folders seen now.
+    """
+    found, waiting, failed = [], [], []
+    if watch_dir:
+        scan = scan_folder(Path(watch_dir), settle_seconds, state["folders"])
+        state["folders"] = scan.cache
+        found, waiting = scan.checkpoints, scan.waiting
+    for model_id in hub_model_ids or []:
+        try:
+            found.append(hub_checkpoint(model_id, latest_hub_revision(model_id)))
+        except Exception as err:  # noqa: BLE001  (one unreachable id must not stop the others)
+            failed.append({"base_model": model_id, "error": f"hub lookup failed: {err}"})
+    return found, waiting, failed
+
+
+def new_checkpoints(found: list[Checkpoint], state: dict) -> list[Checkpoint]:
+    """The checkpoints whose identity the state has not recorded, each identity once."""
+    fresh: dict[str, Checkpoint] = {}
+    for ckpt in found:
+        if ckpt.identity not in state["seen"]:
+            fresh.setdefault(ckpt.identity, ckpt)
+    return list(fresh.values())
+
+
+def load_state(path: Path) -> dict:
+    """The watcher's state: {"seen": {identity: trigger record}, "folders": {path: listing and hash}}.
+
+    A missing file is an empty state; an unreadable one is an error, never a fresh start, which
+    would start every known checkpoint again.
+    """
+    if not path.exists():
+        return {"seen": {}, "folders": {}}
+    try:
+        state = read_json(path)
+    except (OSError, ValueError) as err:
+        raise WatcherError(f"cannot read the watcher state {path}: {err}; fix or move it") from err
+    if not isinstance(state, dict) or not isinstance(state.get("seen"), dict):
+        raise WatcherError(f"{path} is not a watcher state (no 'seen' mapping); fix or move it")
+    state.setdefault("folders", {})
+    return state
+
+
+def save_state(path: Path, state: dict) -> None:
+    """Write the state through a temporary file and os.replace: a crash leaves the old or the new."""
+    write_json(path, state)
+
+
+@contextmanager
+def state_lock(state_path: Path) -> Iterator[None]:
+    """Hold `<state file>.lock` (flock, non-blocking): one watcher run at a time per state file."""
+    lock_path = state_path.with_name(state_path.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            raise WatcherError(f"another {FLOW_NAME} run ({holder}) holds {lock_path}; this run starts nothing") from None
+        fh.truncate(0)
+        fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def trigger(ckpt: Checkpoint, deployment: str, runs_root: str) -> dict:
+    """Start one run of `deployment` for `ckpt`, without waiting for it; returns the state's record.
+
+    The run is not linked as a subflow: cancelling a watcher run must not cancel the pipeline
+    runs it started. The idempotency key makes a repeated trigger return the same flow run.
+    """
+    out_root = (Path(runs_root) / ckpt.run_name).as_posix()
+    parameters = {"base_model": ckpt.base_model, "overrides": list(ckpt.overrides), "out_root": out_root}
+    try:
+        run = run_deployment(
+            deployment, parameters=parameters, timeout=0, as_subflow=False, flow_run_name=ckpt.run_name,
+            idempotency_key=f"{FLOW_NAME}:{deployment}:{ckpt.identity}",
+        )
+    except ObjectNotFound:
+        raise WatcherError(f"deployment {deployment!r} not found on the Prefect server") from None
+    except Exception as err:  # noqa: BLE001  (any refusal is reported and retried next tick)
+        raise WatcherError(f"deployment {deployment!r} refused the run: {err}") from err
+    return {
+        "flow_run_id": str(run.id), "flow_run_name": run.name, "deployment": deployment,
+        "triggered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base_model": ckpt.base_model, "out_root": out_root,
+    }
+
+
+@flow(name=FLOW_NAME)
+def watch_base_checkpoints(
+    watch_dir: str | None = None,
+    hub_model_ids: list[str] | None = None,
+    deployment: Annotated[str, Field(pattern=r"^[^/]+/[^/]+$")] = "qad-pipeline/default",
+    state_file: str = "artifacts/watcher/seen.json",
+    runs_root: str = "runs",
+    settle_seconds: Annotated[float, Field(ge=0)] = 60,
+) -> dict:
+    """Start `deployment` once for each base checkpoint (folder under `watch_dir`, hub id) not seen before.
+
+    Returns {"seen": checkpoints found now, "triggered": the new records, "failed": what could not
+    be triggered, "waiting": folders not picked up yet}. When anything failed, the run fails at the
+    end with a WatcherError naming each failure (its `summary` is that dict); the rest still ran.
+    """
+    if not watch_dir and not hub_model_ids:
+        raise ValueError("give watch_dir, hub_model_ids or both: there is nothing to watch")
+    if watch_dir and not Path(watch_dir).is_dir():
+        raise ValueError(f"watch_dir {watch_dir} is not a folder")
+    logger = get_run_logger()
+    state_path = Path(state_file)
+    with state_lock(state_path):
+        state = load_state(state_path)
+        found, waiting, failed = find_checkpoints(watch_dir, hub_model_ids, settle_seconds, state)
+        for reason in waiting:
+            logger.info("not yet: %s", reason)
+
+        triggered = []
+        for ckpt in new_checkpoints(found, state):
+            try:
+                record = trigger(ckpt, deployment, runs_root)
+            except WatcherError as err:
+                logger.error("%s: %s; it is retried on the next tick", ckpt.base_model, err)
+                failed.append({"base_model": ckpt.base_model, "identity": ckpt.identity, "error": str(err)})
+                continue
+            state["seen"][ckpt.identity] = record
+            save_state(state_path, state)
+            triggered.append({"identity": ckpt.identity, **record})
+            logger.info("%s: started %s (flow run %s) writing to %s",
+                        ckpt.identity, deployment, record["flow_run_name"], record["out_root"])
+        save_state(state_path, state)
+
+    logger.info("%d checkpoint(s) found, %d started, %d failed, %d waiting; state in %s",
+                len(found), len(triggered), len(failed), len(waiting), state_path)
+    summary = {"seen": len(found), "triggered": triggered, "failed": failed, "waiting": waiting}
+    if failed:
+        raise WatcherError("not triggered: " + "; ".join(f"{f['base_model']}: {f['error']}" for f in failed), summary)
+    return summary

@@ -1,0 +1,210 @@
+"""`dvc repro` runs the same DAG, for real, in a temporary git repository with the project's files.
+
+One full run is shared by the tests of this module, which then change one thing at a time.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qad_pipeline.config import PROJECT_ROOT, apply_overrides
+from tests.conftest import GOOD_RECIPES, TINY
+
+pytestmark = pytest.mark.slow
+
+ALL_STAGES = {"calibration", "baseline", *(f"ptq@{r}" for r in GOOD_RECIPES), "selection", "qad", "final_eval",
+              "export"}
+CODE = ["dvc.yaml", "recipes", "eval_tasks", "data/heldout", "tasks", "qad_pipeline", ".dvc/config", ".dvcignore",
+        ".gitignore"]
+GIT_ENV = {"GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com", "GIT_COMMITTER_NAME": "test",
+           "GIT_COMMITTER_EMAIL": "test@example.com"}
+
+
+def env() -> dict:
+    bin_dir = str(Path(sys.executable).parent)  # the venv's qad-pipeline and dvc commands
+    return {**os.environ, **GIT_ENV, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+
+def sh(repo: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=repo, env=env(), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def repro(repo: Path, *args: str) -> tuple[set[str], str]:
+    """Run `dvc repro`; the set of stages it ran and its output."""
+    done = sh(repo, "dvc", "repro", *args)
+    return set(re.findall(r"Running stage '([^']+)'", done.stdout)), done.stdout
+
+
+def set_params(repo: Path, *overrides: str) -> None:
+    path = repo / "params.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(yaml.safe_load(path.read_text()), list(overrides)), sort_keys=False))
+
+
+def commit(repo: Path, message: str) -> None:
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-q", "-m", message)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, demo_model_path):
+    """A git + DVC project with the tiny settings, the base model tracked with `dvc add`, after one
+    full `dvc repro`. Returns (repo, stages that ran, seconds)."""
+    repo = tmp_path_factory.mktemp("dvc-project")
+    for rel in CODE:
+        src, dst = PROJECT_ROOT / rel, repo / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    shutil.copytree(demo_model_path, repo / "models" / "base")
+    shutil.copy(PROJECT_ROOT / "params.yaml", repo / "params.yaml")
+    set_params(repo, *TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]", "base_model.path=models/base")
+    remote = tmp_path_factory.mktemp("dvc-remote")
+    sh(repo, "git", "init", "-q")
+    sh(repo, "dvc", "remote", "add", "-f", "-d", "local", str(remote))
+    sh(repo, "dvc", "add", "-q", "models/base")  # the base checkpoint as a versioned input
+    commit(repo, "project")
+    started = time.time()
+    ran, _ = repro(repo)
+    seconds = time.time() - started
+    commit(repo, "first run")
+    return repo, ran, seconds, remote
+
+
+def test_full_run_then_nothing_to_do(project):
+    repo, ran, _, _ = project
+    assert ran == ALL_STAGES
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert set(lock) == ALL_STAGES
+    # each stage records exactly its params: QAD's keys are in qad's entry and in no PTQ entry
+    assert "qad" in lock["qad"]["params"]["params.yaml"]
+    assert all("qad" not in lock[f"ptq@{r}"]["params"]["params.yaml"] for r in GOOD_RECIPES)
+
+    again, out = repro(repo)
+    assert again == set(), out
+    assert out.count("didn't change, skipping") == len(ALL_STAGES)
+
+
+def test_qad_parameter_reruns_qad_and_what_follows(project):
+    repo = project[0]
+    set_params(repo, "qad.steps=3")
+    ran, _ = repro(repo)
+    assert ran == {"qad", "final_eval", "export"}
+    assert json.loads((repo / "artifacts/qad/loss.json").read_text())["steps"] == 3
+
+    params_diff = json.loads(sh(repo, "dvc", "params", "diff", "--json").stdout)
+    assert params_diff["params.yaml"]["qad.steps"] == {"old": 4, "new": 3}
+    metrics_diff = json.loads(sh(repo, "dvc", "metrics", "diff", "--json").stdout)
+    assert "metrics/qad.json" in metrics_diff
+    plots = json.loads(sh(repo, "dvc", "plots", "diff", "HEAD", "--json").stdout)["data"]
+    loss_revs = {row["rev"] for row in plots["metrics/qad_loss.json"][0]["content"]["data"]["values"]}
+    assert loss_revs == {"HEAD", "workspace"}  # the loss curves of both versions, side by side
+    commit(repo, "qad.steps=3")
+
+
+def test_one_recipe_file_reruns_that_recipe_only(project):
+    repo = project[0]
+    changed, untouched = GOOD_RECIPES
+    recipe = repo / "recipes" / f"{changed}.yaml"
+    recipe.write_text(recipe.read_text() + "\n# changed: one recipe file\n")
+    ran, _ = repro(repo)
+    assert f"ptq@{changed}" in ran and "selection" in ran
+    assert not ran & {f"ptq@{untouched}", "calibration", "baseline"}
+    commit(repo, "one recipe changed")
+
+
+def test_new_base_checkpoint_version_is_a_dvc_change(project):
+    repo = project[0]
+    (repo / "models/base/README.md").write_text("a new version of the base checkpoint\n")
+    sh(repo, "dvc", "add", "-q", "models/base")
+    assert "models/base.dvc" in sh(repo, "git", "status", "--porcelain").stdout
+    dry, _ = repro(repo, "--dry")
+    assert dry == ALL_STAGES  # every stage reads the base model: all of them are out of date
+    sh(repo, "git", "checkout", "-q", "models/base.dvc")
+    sh(repo, "dvc", "checkout", "-q", "--force", "models/base.dvc")
+    assert not (repo / "models/base/README.md").exists()
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+
+
+def test_repro_refused_while_a_run_writes_the_outputs(project):
+    repo = project[0]
+    manifest = (repo / "artifacts/calibration/manifest.json").read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from qad_pipeline.runlock import dvc_write_lock, run_lock\n"
+         f"with run_lock({str(repo)!r}, 'run'), dvc_write_lock({str(repo)!r}, 'qad-pipeline run (Prefect flow run x)'):\n"
+         "    print('held', flush=True); time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True, env=env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = sh(repo, "dvc", "repro", "-f", "calibration", check=False)
+        assert done.returncode != 0
+        assert "is busy" in done.stderr and "qad-pipeline run (Prefect flow run x)" in done.stderr
+        # a stage started by hand is refused by the run's own lock, naming the run
+        stage = sh(repo, "qad-pipeline", "stage", "selection", check=False)
+        assert stage.returncode == 2 and "being written by another qad-pipeline run" in stage.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (repo / "artifacts/calibration/manifest.json").read_bytes() == manifest  # nothing deleted or mixed
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+
+
+def test_push_pull_and_a_missing_remote(project):
+    repo, _, _, remote = project
+    sh(repo, "dvc", "push", "-q")
+    assert any(p.is_file() for p in Path(remote).rglob("*"))
+    shutil.rmtree(repo / "artifacts" / "export")
+    shutil.rmtree(repo / ".dvc" / "cache")
+    sh(repo, "dvc", "pull", "-q")
+    assert (repo / "artifacts/export/hf_quant_config.json").is_file()
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+
+    sh(repo, "dvc", "remote", "add", "gone", "/proc/no-such-remote")
+    done = sh(repo, "dvc", "push", "-r", "gone", check=False)
+    assert done.returncode != 0 and "/proc/no-such-remote" in done.stderr
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout  # nothing lost locally
+    sh(repo, "dvc", "remote", "remove", "gone")
+
+
+def test_stale_lock_of_a_killed_run_is_reported_and_recovered(project):
+    repo = project[0]
+    (repo / ".qad-pipeline.lock").write_text(json.dumps(
+        {"token": "dead", "pid": 999999, "host": "vm", "started": time.time() - 60,
+         "command": "qad-pipeline run", "finished": False}))
+    done = sh(repo, "qad-pipeline", "stage", "selection")
+    assert "was killed before it finished" in done.stderr
+    assert json.loads((repo / ".qad-pipeline.lock").read_text())["finished"] is True
+
+
+def test_prefect_run_is_recorded_in_dvc(project):
+    """A `qad-pipeline run` (the Prefect flow) in the DVC project leaves `dvc status` clean."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from qad_pipeline import versioning
+    from qad_pipeline.flows.pipeline import qad_pipeline
+
+    repo = project[0]
+    set_params(repo, "qad.lr=5.0e-5")
+    assert "Data and pipelines are up to date" not in sh(repo, "dvc", "status").stdout
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = qad_pipeline(params_file=str(repo / "params.yaml"))
+    assert summary["dvc"].startswith("recorded in DVC"), summary["dvc"]
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+    assert not (repo / ".dvc/tmp/rwlock").exists() or "artifacts" not in (repo / ".dvc/tmp/rwlock").read_text()
+
+    # a run whose overrides change a value of params.yaml is not recorded: dvc.lock stays true
+    assert versioning.why_not_recorded(repo, repo / "params.yaml", ["qad.lr=5.0e-5"]) is None
+    reason = versioning.why_not_recorded(repo, repo / "params.yaml", ["qad.steps=9"])
+    assert reason.startswith("the run overrode params.yaml (qad.steps=9)")
