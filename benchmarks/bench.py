@@ -5,7 +5,12 @@ Prints, on the bundled demo model with the params.yaml defaults:
   * the baseline + five recipes phase in parallel versus one recipe after another;
   * the peak resident memory of each PTQ worker process;
   * the forward time of the fake-quantized model versus the BF16 model;
-  * QAD steps per second and the exported checkpoint's size ratio versus BF16.
+  * QAD steps per second and the exported checkpoint's size ratio versus BF16;
+  * the time of a no-op `dvc repro` (nothing changed) in a DVC project of the pipeline;
+  * the five recipes' wall time as `ptq-recipe` flow runs on two process workers versus one,
+    against a real local Prefect server (`prefect deployment run qad-pipeline/default`).
+
+`--parts flow dvc workers` picks parts (default: all).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,15 +63,71 @@ def forward_times(params, layout: Layout) -> dict[str, float]:
     return out
 
 
+def dvc_noop(root: Path, repeats: int = 3) -> None:
+    """A DVC project with the tests' small settings (the no-op time depends on the number of stages
+    and files, not on the settings), one full `dvc repro`, then `repeats` timed no-op ones."""
+    from qad_pipeline.devstack import make_dvc_project, sh
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.conftest import TINY
+
+    repo = make_dvc_project(root / "dvc-project", [*TINY], root / "dvc-remote")
+    started = time.perf_counter()
+    sh(repo, "dvc", "repro")
+    full = time.perf_counter() - started
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        out = sh(repo, "dvc", "repro").stdout
+        times.append(time.perf_counter() - started)
+        assert "Running stage" not in out, out
+    print("\n== dvc repro (small settings, 5 recipes, 11 stages) ==")
+    print(f"full run: {full:8.1f} s (stages one after another)")
+    print(f"no-op:    {statistics.median(times):8.2f} s (median of {repeats}; nothing re-ran)")
+
+
+def recipes_on_workers(root: Path, workers: int, recipes: list[str]) -> tuple[float, float]:
+    """One `qad-pipeline/default` deployment run (PTQ half) with `workers` GPU process workers:
+    (wall time from the first recipe run's start to the last one's end, whole run) in seconds."""
+    from qad_pipeline.devstack import LocalPrefect
+
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    with LocalPrefect(root / f"prefect-{workers}") as stack:
+        stack.worker("qad-control", "control", limit=2)
+        for gpu in range(workers):
+            stack.worker("qad-gpu", f"gpu-{gpu}", {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads})
+        stack.deploy()
+        run = stack.wait(stack.run("qad-pipeline/default", {
+            "out_root": str(root / f"workers-{workers}"), "overrides": ["selection.policy=ptq_final"]}), timeout=3600)
+        assert run.state.is_completed(), run.state.message
+        children = [r for r in stack.flow_runs("ptq-recipe") if r.state.is_completed()]
+        assert len(children) == len(recipes), [r.name for r in children]
+        wall = max(r.end_time for r in children) - min(r.start_time for r in children)
+        return wall.total_seconds(), (run.end_time - run.start_time).total_seconds()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-root", type=Path, default=None)
+    ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers"], default=["flow", "dvc", "workers"])
     args = ap.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     root = args.out_root or Path(tempfile.mkdtemp(prefix="qad-bench-"))
     params = load_params()
-    n = len(params.ptq.recipes)
+    if "flow" in args.parts:
+        flow_figures(root, params)
+    if "dvc" in args.parts:
+        dvc_noop(root)
+    if "workers" in args.parts:
+        n = len(params.ptq.recipes)
+        print(f"\n== {n} PTQ recipes as ptq-recipe flow runs on process workers (demo defaults) ==")
+        for workers in (1, 2):
+            wall, whole = recipes_on_workers(root, workers, params.ptq.recipes)
+            print(f"{workers} worker(s): recipes {wall:8.1f} s   whole run (to selection) {whole:8.1f} s")
 
+
+def flow_figures(root: Path, params) -> None:
+    n = len(params.ptq.recipes)
     parallel = run_flow(root / "parallel", [f"ptq.max_parallel={n}"])
     # The second run only needs the PTQ half: policy ptq_final ends the flow at selection.
     sequential = run_flow(root / "sequential", ["ptq.max_parallel=1", "selection.policy=ptq_final"])

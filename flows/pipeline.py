@@ -8,68 +8,75 @@ recipe qualifies it ends there too, and the report says why.
 
 Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same command that
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
-it and selection goes on among the survivors. The flow body only wires stages.
+it and selection goes on among the survivors. With `recipe_deployment` set (the deployed
+`qad-pipeline/default` sets `ptq-recipe/gpu`), each recipe is a flow run of its own on that
+deployment's work pool instead, one GPU each, and this flow waits for all of them.
+
+A recipe whose inputs (recipe file, parameters, calibration data, base model, code) are unchanged
+since its last successful run is taken from Prefect's cache instead of running again, so a re-run
+after a crash only runs the recipes that are missing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import load_params
+from qad_pipeline import tracking, versioning
+from qad_pipeline.artifacts import list_files, read_json
+from qad_pipeline.config import load_params, resolve
+from qad_pipeline.flows.stages import StageFailed, run_stage_process
 from qad_pipeline.layout import Layout
 from qad_pipeline.plots import write_plots
-from qad_pipeline import tracking, versioning
-from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 from qad_pipeline.report import recipe_rows, report_markdown, report_text
+from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
+
+__all__ = ["StageFailed", "qad_pipeline"]
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
+# The code a PTQ result depends on: a change to any of these makes every recipe run again.
+PTQ_CODE = ["qad_pipeline.tasks.ptq", "qad_pipeline.tasks.evaluate", "qad_pipeline.nvfp4_cpu", "qad_pipeline.sizes"]
 
 
-class StageFailed(RuntimeError):
-    pass
+def _hash_files(digest, paths) -> None:
+    for path in paths:
+        digest.update(str(path).encode())
+        digest.update(Path(path).read_bytes() if Path(path).is_file() else b"<missing>")
 
 
-def run_stage_process(
-    stage: list[str], params_file: str, overrides: list[str], layout: Layout, threads: int | None = None
-) -> float:
-    """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
+def ptq_cache_key(context, arguments: dict[str, Any]) -> str:
+    """A PTQ recipe's inputs: its recipe file, its parameters, the calibration data, the base
+    model (file listing with sizes and times, or hub id and revision), the code and the out-root."""
+    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
+    layout: Layout = arguments["layout"]
+    recipe = arguments["recipe"]
+    digest = hashlib.sha256()
+    digest.update(json.dumps([recipe, str(layout.root), params.model_dump(
+        include={"base_model": True, "ptq": {"calib_batch_size"}, "eval": True})], sort_keys=True).encode())
+    _hash_files(digest, [params.recipe_path(recipe), layout.data / "manifest.json",
+                         *(importlib.util.find_spec(module).origin for module in PTQ_CODE)])
+    model = resolve(params.base_model.path)
+    if model.is_dir():
+        digest.update(json.dumps(list_files(model)).encode())
+    return f"ptq-{recipe}-{digest.hexdigest()[:32]}"
 
-    `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
-    machine's cores, unless the caller's environment already sets OMP_NUM_THREADS.
-    """
-    logger = get_run_logger()
-    name = "-".join(stage)
-    layout.logs.mkdir(parents=True, exist_ok=True)
-    log_path = layout.logs / f"{name}.log"
-    cmd = [sys.executable, "-m", "qad_pipeline", "stage", *stage, "--params", params_file,
-           "--out-root", str(layout.root)]
-    for item in overrides:
-        cmd += ["--set", item]
-    logger.info("%s: started (log: %s)", name, log_path)
-    started = time.time()
-    env = dict(os.environ)
-    if threads and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(threads)
-    with log_path.open("w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=env).returncode
-    elapsed = time.time() - started
-    if code != 0:
-        tail = log_path.read_text().strip().splitlines()[-5:]
-        why = "killed (out of memory?)" if code < 0 else f"exit code {code}"
-        raise StageFailed(f"{name} failed after {elapsed:.0f}s, {why}; last lines of {log_path}:\n" + "\n".join(tail))
-    logger.info("%s: done in %.1fs", name, elapsed)
-    return elapsed
+
+def recipe_done(layout: Layout, recipe: str) -> bool:
+    """The recipe's outputs are on disk (else a cached result would point at nothing)."""
+    scores = layout.ptq(recipe) / "scores.json"
+    return (scores.is_file() and read_json(scores).get("status") == "ok"
+            and (layout.ptq(recipe) / "checkpoint").is_dir())
 
 
 @task(name="calibration")
@@ -82,11 +89,31 @@ def baseline(params_file: str, overrides: list[str], layout: Layout, threads: in
     return run_stage_process(["baseline"], params_file, overrides, layout, threads)
 
 
-@task(name="ptq", task_run_name="ptq-{recipe}")
-def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int, threads: int) -> float:
+@task(name="ptq", task_run_name="ptq-{recipe}", cache_key_fn=ptq_cache_key, persist_result=True)
+def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int, threads: int,
+        deployment: str | None = None) -> float:
+    """One recipe: a stage process here, or a `ptq-recipe` flow run on `deployment`'s work pool."""
+    if deployment:
+        return ptq_on_pool(recipe, deployment, params_file, overrides, layout)
     slots = _ptq_slots.setdefault(max_parallel, threading.Semaphore(max_parallel))
     with slots:
         return run_stage_process(["ptq", recipe], params_file, overrides, layout, threads)
+
+
+def ptq_on_pool(recipe: str, deployment: str, params_file: str, overrides: list[str], layout: Layout) -> float:
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(
+        deployment, flow_run_name=f"ptq-{recipe}", poll_interval=2,
+        parameters={"recipe": recipe, "params_file": params_file, "overrides": overrides,
+                    "out_root": str(layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
+    )
+    if not run.state or not run.state.is_completed():
+        state = run.state.name if run.state else "unknown"
+        raise StageFailed(f"ptq-{recipe}: flow run {run.name!r} on {deployment} ended {state}"
+                          + (f": {run.state.message}" if run.state and run.state.message else ""))
+    get_run_logger().info("ptq-%s: flow run %s completed on %s", recipe, run.name, run.work_pool_name)
+    return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
 
 
 @task(name="selection")
@@ -109,27 +136,47 @@ def export(params_file: str, overrides: list[str], layout: Layout) -> float:
     return run_stage_process(["export"], params_file, overrides, layout)
 
 
+def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: dict[str, Any] | None) -> list[str]:
+    """The flow's typed parameters as `section.key=value` overrides of params.yaml."""
+    items = [f"base_model.path={base_model}"] if base_model else []
+    if recipes is not None:
+        items.append(f"ptq.recipes={json.dumps(recipes)}")
+    items += [f"qad.{key}={json.dumps(value)}" for key, value in (qad or {}).items()]
+    return items
+
+
 @flow(name="qad-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True)
 def qad_pipeline(
     params_file: str = "params.yaml",
     overrides: list[str] | None = None,
     out_root: str | None = None,
+    base_model: str | None = None,
+    recipes: list[str] | None = None,
+    qad: dict[str, Any] | None = None,
+    recipe_deployment: str | None = None,
 ) -> dict:
     """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export.
 
-    `params_file` is relative to the working directory; `out_root` defaults to its folder.
+    Every parameter overrides params.yaml, which holds the defaults: `base_model` (a local folder
+    or hub id), `recipes` (names in ptq.recipe_dir), `qad` (e.g. {"steps": 80, "lr": 5e-5}) and
+    `overrides` (any `section.key=value`). `params_file` is relative to the working directory;
+    `out_root` defaults to its folder. `recipe_deployment` (e.g. "ptq-recipe/gpu") runs each recipe
+    as a flow run of that deployment instead of a process here.
     """
-    overrides = list(overrides or [])
+    from qad_pipeline.cli import preflight
+
+    overrides = list(overrides or []) + parameter_overrides(base_model, recipes, qad)
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
-    params = load_params(Path(params_file), overrides)
+    params = load_params(Path(params_file), overrides)  # a bad value fails here, before any model loads
     layout = Layout(Path(out_root or Path(params_file).parent).resolve())
+    preflight(params, layout.root)
     logger = get_run_logger()
-    with run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
+    with base_model_slot(params), run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
         previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token  # the stage processes pass it on
         try:
             with dvc_write_lock(layout.root, f"qad-pipeline run (Prefect flow run {_flow_run_name()}) is writing "
                                              "this project's outputs; wait for it to finish or cancel it"):
-                summary = _run_stages(params_file, overrides, params, layout)
+                summary = _run_stages(params_file, overrides, params, layout, recipe_deployment)
         finally:
             if previous is None:
                 os.environ.pop(TOKEN_ENV, None)
@@ -143,7 +190,33 @@ def qad_pipeline(
     return summary
 
 
-def _run_stages(params_file: str, overrides: list[str], params, layout: Layout) -> dict:
+def base_model_slot(params):
+    """In a deployment run, one run per base model at a time: Prefect's global concurrency limit
+    `qad-pipeline:<base model>` (limit 1, created on first use). Local runs need none."""
+    from contextlib import nullcontext
+
+    from prefect.runtime import deployment
+
+    if deployment.id is None:
+        return nullcontext()
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+
+    model = resolve(params.base_model.path)
+    name = "qad-pipeline:" + hashlib.sha256(
+        f"{model if model.exists() else params.base_model.path}@{params.base_model.revision}".encode()).hexdigest()[:16]
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+        except ObjectAlreadyExists:
+            pass
+    get_run_logger().info("waiting for base-model slot %s (%s)", name, params.base_model.path)
+    return concurrency(name, occupy=1, strict=True)
+
+
+def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, recipe_deployment: str | None) -> dict:
     parent_run = start_tracking(layout, params)
     try:
         seconds = {"calibration": calibration(params_file, overrides, layout)}
@@ -153,7 +226,8 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout) 
         threads = max(1, (os.cpu_count() or 1) // at_once)
         base = baseline.submit(params_file, overrides, layout, threads)
         recipes = {
-            name: ptq.submit(name, params_file, overrides, layout, params.ptq.max_parallel, threads)
+            name: ptq.with_options(refresh_cache=not recipe_done(layout, name)).submit(
+                name, params_file, overrides, layout, params.ptq.max_parallel, threads, recipe_deployment)
             for name in params.ptq.recipes
         }
         wait([base, *recipes.values()])
@@ -163,11 +237,14 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout) 
         failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
         if failed:
             get_run_logger().warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
+        cached = [name for name, fut in recipes.items() if fut.state.name == "Cached"]
+        if cached:
+            get_run_logger().info("PTQ taken from cache (inputs unchanged): %s", ", ".join(cached))
 
         seconds["selection"] = selection(params_file, overrides, layout)
         chosen = read_json(layout.selection_metrics)
         summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
-                   "failed": failed, "seconds": seconds, "root": str(layout.root)}
+                   "failed": failed, "cached": cached, "seconds": seconds, "root": str(layout.root)}
         create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
 
         if chosen["selected"] is not None and params.selection.policy == "qad":
@@ -183,6 +260,7 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout) 
     summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
     summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
     return summary
+
 
 
 def start_tracking(layout: Layout, params) -> str | None:

@@ -10,7 +10,7 @@ each, without waiting for it:
 - A local checkpoint is an immediate subfolder of `watch_dir`. It is picked up when it holds
   `config.json`, holds no file ending in `.incomplete` or `.tmp` (downloads and copies in
   progress) and none of its files has changed for `settle_seconds`. Its identity is the sha256
-  that the pipeline's baseline records for it (`qad_pipeline.modeling.checkpoint_identity`: the
+  that the pipeline's baseline records for it (`qad_pipeline.artifacts.folder_sha256`: the
   relative path and bytes of every file, in sorted order), so a copy of a seen checkpoint is seen,
   and a changed file makes a new checkpoint.
 - A hub checkpoint is `<hub id>@<commit sha>` of the id's newest revision; the run pins that
@@ -23,14 +23,18 @@ The state file (JSON, `state_file`) maps each identity to the flow run it starte
 folder's listing (path, size, mtime_ns) with its hash, so an unchanged folder is not read again.
 It is rewritten atomically after every trigger, and every trigger carries an idempotency key, so a
 watcher killed between starting a run and recording it gets the same run back on its next tick.
-To run a seen checkpoint again, start the deployment by hand with the same parameters. A failed
+To run a seen checkpoint again, start the deployment by hand (removing its entry from the state is
+not enough while its old flow run exists: Prefect hands that run back for the same key). A failed
 trigger is not recorded: it is retried on the next tick, and the watcher's own run fails naming it.
+
+`base_model` is the folder's absolute path as the watcher sees it, so the pipeline's workers must
+see `watch_dir` at the same path; `out_root` is `runs_root/<name>` as given, so a relative
+`runs_root` lands in the pipeline run's working directory.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import re
 import socket
@@ -47,7 +51,7 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from pydantic import Field
 
-from qad_pipeline.artifacts import read_json, write_json
+from qad_pipeline.artifacts import folder_sha256, list_files, read_json, write_json
 
 FLOW_NAME = "watch-base-checkpoints"
 IN_PROGRESS_SUFFIXES = (".incomplete", ".tmp")
@@ -88,27 +92,6 @@ class FolderScan(NamedTuple):
 def slug(name: str) -> str:
     """`nvidia/Nemotron-H-8B` -> `nvidia-nemotron-h-8b`: safe as a folder name and a run name."""
     return re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-.") or "model"
-
-
-def list_files(folder: Path) -> list[list]:
-    """[relative path, size, mtime_ns] of every file under `folder`, in the order they are hashed."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return [[p.relative_to(folder).as_posix(), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
-
-
-def folder_sha256(folder: Path, files: list[list]) -> str:
-    """sha256 over each file's relative path and bytes, in the order `list_files` gives them.
-
-    The same digest as `qad_pipeline.modeling.checkpoint_identity` (which imports torch, too heavy
-    for a control-plane watcher); tests/test_watcher.py checks that the two agree.
-    """
-    digest = hashlib.sha256()
-    for rel, _size, _mtime in files:
-        digest.update(rel.encode())
-        with (folder / rel).open("rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 def not_ready(folder: Path, files: list[list], settle_seconds: float, now: float) -> str | None:
@@ -229,7 +212,8 @@ def state_lock(state_path: Path) -> Iterator[None]:
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
-            raise WatcherError(f"another {FLOW_NAME} run ({holder}) holds {lock_path}; this run starts nothing") from None
+            message = f"another {FLOW_NAME} run ({holder}) holds {lock_path}; this run starts nothing"
+            raise WatcherError(message) from None
         fh.truncate(0)
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         fh.flush()
@@ -254,7 +238,7 @@ def trigger(ckpt: Checkpoint, deployment: str, runs_root: str) -> dict:
         )
     except ObjectNotFound:
         raise WatcherError(f"deployment {deployment!r} not found on the Prefect server") from None
-    except Exception as err:  # noqa: BLE001  (any refusal is reported and retried next tick)
+    except Exception as err:  # a schema mismatch (HTTP 409), an unreachable server, ...: report, retry next tick
         raise WatcherError(f"deployment {deployment!r} refused the run: {err}") from err
     return {
         "flow_run_id": str(run.id), "flow_run_name": run.name, "deployment": deployment,

@@ -59,3 +59,20 @@ def fingerprint(parts: Iterable[bytes | str]) -> str:
         digest.update(len(data).to_bytes(8, "little"))
         digest.update(data)
     return digest.hexdigest()
+
+
+def list_files(folder: Path) -> list[list]:
+    """[relative path, size, mtime_ns] of every file under `folder`, in the order they are hashed."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+    return [[p.relative_to(folder).as_posix(), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]
+
+
+def folder_sha256(folder: Path, files: list[list] | None = None) -> str:
+    """sha256 over each file's relative path and bytes, in `list_files` order: a checkpoint's identity."""
+    digest = hashlib.sha256()
+    for rel, _size, _mtime in files if files is not None else list_files(folder):
+        digest.update(rel.encode())
+        with (Path(folder) / rel).open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -208,6 +208,24 @@ def compare(
     typer.echo(tracking.compare_text(rows))
 
 
+@app.command("prefect-setup")
+def prefect_setup(
+    kubernetes: Annotated[bool, typer.Option(help="Kubernetes pools with infra/k8s/ job templates")] = False,
+    heartbeat_timeout: Annotated[int, typer.Option(help="seconds without a heartbeat before Crashed")] = 90,
+) -> None:
+    """Create the work pools (qad-control, qad-gpu) and the automation that crashes dead flow runs."""
+    from qad_pipeline.prefect_setup import create_crash_automation, create_pools
+
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail(ConfigError("PREFECT_API_URL is not set: point it at your Prefect server "
+                          "(e.g. http://127.0.0.1:4200/api after `prefect server start`)"))
+    if heartbeat_timeout < 60:
+        _fail(ConfigError(f"--heartbeat-timeout {heartbeat_timeout} is too short: heartbeats come every 30 s or "
+                          "more; use 60 or more"))
+    for line in [*create_pools(kubernetes), create_crash_automation(heartbeat_timeout)]:
+        typer.echo(line)
+
+
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
     import qad_pipeline  # noqa: F401  (installs the CPU NVFP4 kernels when there is no GPU)
 

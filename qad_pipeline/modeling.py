@@ -7,13 +7,13 @@ model's maximum. `load_model` then loads the weights in the configured dtype.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from qad_pipeline.artifacts import folder_sha256
 from qad_pipeline.config import BaseModelParams, ConfigError, resolve
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -96,12 +96,6 @@ def checkpoint_identity(params: BaseModelParams) -> dict:
     ident = {"path": params.path, "revision": params.revision}
     folder = Path(location)
     if folder.is_dir():
-        digest = hashlib.sha256()
-        for f in sorted(p for p in folder.rglob("*") if p.is_file()):
-            digest.update(f.relative_to(folder).as_posix().encode())
-            with f.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    digest.update(chunk)
-        ident["sha256"] = digest.hexdigest()
+        ident["sha256"] = folder_sha256(folder)
     return ident
 

@@ -125,10 +125,9 @@ def test_state_is_never_silently_reset_and_one_run_at_a_time(tmp_path):
     with pytest.raises(WatcherError, match="cannot read the watcher state"):
         load_state(state_file)
 
-    with state_lock(state_file):
-        with pytest.raises(WatcherError, match=r"another watch-base-checkpoints run \(pid \d+ .*\) holds"):
-            with state_lock(state_file):
-                pass
+    busy = r"another watch-base-checkpoints run \(pid \d+ .*\) holds"
+    with state_lock(state_file), pytest.raises(WatcherError, match=busy), state_lock(state_file):
+        pass
     with state_lock(state_file):  # released
         pass
 
@@ -146,11 +145,16 @@ def test_run_folder_names():
 def prefect_flow_id():
     """A temporary Prefect server for this module, holding the stub flow the deployments start."""
     from prefect.client.orchestration import get_client
+    from prefect.settings import temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        with get_client(sync_client=True) as client:
-            yield client.create_flow_from_name(STUB_FLOW)
+    # no heartbeat thread: joining it costs each flow call about a second
+    with (
+        prefect_test_harness(server_startup_timeout=120),
+        temporary_settings({"flows.heartbeat_frequency": None}),
+        get_client(sync_client=True) as client,
+    ):
+        yield client.create_flow_from_name(STUB_FLOW)
 
 
 @pytest.fixture
@@ -183,19 +187,19 @@ def flow_runs(deployment_id) -> list:
 def watcher_in_a_new_process(**params) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL
 
-    code = "import json, sys; from qad_pipeline.flows.watcher import watch_base_checkpoints as w; " \
-           "print(json.dumps(w(**json.loads(sys.argv[1]))))"
+    code = ("import json, sys; from qad_pipeline.flows.watcher import watch_base_checkpoints as w; "
+            "print(json.dumps(w(**json.loads(sys.argv[1]))))")
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())
     return subprocess.run([sys.executable, "-c", code, json.dumps(params)], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, check=False)
 
 
 def test_each_new_folder_checkpoint_starts_one_run(tmp_path, deployment):
     name, deployment_id = deployment
     incoming, runs_root, state_file = tmp_path / "incoming", tmp_path / "runs", tmp_path / "state" / "seen.json"
     incoming.mkdir()
-    params = dict(watch_dir=str(incoming), deployment=name, state_file=str(state_file), runs_root=str(runs_root),
-                  settle_seconds=0)
+    params = {"watch_dir": str(incoming), "deployment": name, "state_file": str(state_file),
+              "runs_root": str(runs_root), "settle_seconds": 0}
 
     # (1) an empty folder starts nothing
     assert watch_base_checkpoints(**params) == {"seen": 0, "triggered": [], "failed": [], "waiting": []}
@@ -206,7 +210,7 @@ def test_each_new_folder_checkpoint_starts_one_run(tmp_path, deployment):
     sha_a = expected_sha256(a)
     summary = watch_base_checkpoints(**params)
     [run] = flow_runs(deployment_id)
-    assert run.state.is_scheduled()
+    assert run.state.is_scheduled() and run.parent_task_run_id is None  # not a subflow of the watcher
     assert run.name == f"model-a-{sha_a[:12]}"
     assert run.parameters == {"base_model": str(a), "overrides": [], "out_root": f"{runs_root}/model-a-{sha_a[:12]}"}
     record = json.loads(state_file.read_text())["seen"][f"sha256:{sha_a}"]
@@ -243,8 +247,8 @@ def test_each_new_hub_revision_starts_one_run(tmp_path, deployment, monkeypatch)
     name, deployment_id = deployment
     newest = {"org/Model-A": SHA_A}
     monkeypatch.setattr(watcher, "latest_hub_revision", lambda model_id: newest[model_id])
-    params = dict(hub_model_ids=["org/Model-A"], deployment=name, state_file=str(tmp_path / "seen.json"),
-                  runs_root="runs")
+    params = {"hub_model_ids": ["org/Model-A"], "deployment": name, "state_file": str(tmp_path / "seen.json"),
+              "runs_root": "runs"}
 
     assert len(watch_base_checkpoints(**params)["triggered"]) == 1
     assert watch_base_checkpoints(**params)["triggered"] == []
@@ -264,7 +268,7 @@ def test_a_failed_trigger_fails_the_run_and_is_retried(tmp_path, deployment, mon
     name, deployment_id = deployment
     incoming = write_checkpoint(tmp_path / "incoming" / "m").parent
     state_file = tmp_path / "seen.json"
-    params = dict(watch_dir=str(incoming), state_file=str(state_file), settle_seconds=0)
+    params = {"watch_dir": str(incoming), "state_file": str(state_file), "settle_seconds": 0}
 
     missing = f"{STUB_FLOW}/no-such-deployment"
     state = watch_base_checkpoints(**params, deployment=missing, return_state=True)
@@ -284,7 +288,52 @@ def test_a_failed_trigger_fails_the_run_and_is_retried(tmp_path, deployment, mon
     assert list(load_state(state_file)["seen"]) == [err.value.summary["triggered"][0]["identity"]]
 
 
+class Crash(BaseException):
+    """The watcher process dying (killed, machine lost) at a chosen point."""
+
+
+def crash_on_call(n: int, fn):
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise Crash(f"call {n}")
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def test_a_crash_never_loses_or_repeats_a_trigger(tmp_path, deployment, monkeypatch):
+    name, deployment_id = deployment
+    incoming = tmp_path / "incoming"
+    write_checkpoint(incoming / "a")
+    state_file = tmp_path / "seen.json"
+    params = {"watch_dir": str(incoming), "deployment": name, "state_file": str(state_file), "settle_seconds": 0}
+
+    # killed after the run was created, before it was recorded: the next tick gets the same run back
+    with monkeypatch.context() as patch:
+        patch.setattr(watcher, "save_state", crash_on_call(1, watcher.save_state))
+        with pytest.raises(Crash):
+            watch_base_checkpoints(**params)
+    assert not state_file.exists() and len(flow_runs(deployment_id)) == 1
+    [record] = watch_base_checkpoints(**params)["triggered"]
+    [run] = flow_runs(deployment_id)
+    assert record["flow_run_id"] == str(run.id)
+
+    # killed between two triggers: the first is on file, only the second is started next tick
+    write_checkpoint(incoming / "b")
+    write_checkpoint(incoming / "c", b"c weights")
+    with monkeypatch.context() as patch:
+        patch.setattr(watcher, "run_deployment", crash_on_call(2, watcher.run_deployment))
+        with pytest.raises(Crash):
+            watch_base_checkpoints(**params)
+    assert len(load_state(state_file)["seen"]) == 2
+    assert [t["base_model"] for t in watch_base_checkpoints(**params)["triggered"]] == [str(incoming / "c")]
+    assert len(flow_runs(deployment_id)) == 3
+
+
 def test_bad_parameters_are_refused(tmp_path, prefect_flow_id):
     assert "nothing to watch" in watch_base_checkpoints(return_state=True).message
     refused = watch_base_checkpoints(watch_dir=str(tmp_path), deployment="no-slash", return_state=True)
-    assert refused.is_failed() and "deployment" in refused.message
+    assert refused.is_failed() and "deployment: String should match pattern" in refused.message

@@ -1,0 +1,42 @@
+"""The `ptq-recipe` flow: one PTQ recipe as its own flow run, deployed as `ptq-recipe/gpu`.
+
+The `qad-pipeline` flow, run from a deployment with `recipe_deployment` set, starts one
+`ptq-recipe` run per recipe on that deployment's work pool and waits for all of them. Each run
+takes one GPU: a process worker sees the devices its own environment lets it see
+(`CUDA_VISIBLE_DEVICES`), a Kubernetes job gets the `nvidia.com/gpu: 1` of its job template, and
+the worker's `--limit` keeps it from taking more runs than it has GPUs. The run executes the same
+`qad-pipeline stage ptq <recipe>` command as every other way of running the pipeline, in the
+project folder, writing under `out_root` (a filesystem every worker shares).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from prefect import flow
+
+from qad_pipeline.flows.stages import run_stage_process
+from qad_pipeline.layout import Layout
+from qad_pipeline.runlock import TOKEN_ENV
+
+
+@flow(name="ptq-recipe", flow_run_name="ptq-{recipe}", log_prints=True)
+def ptq_recipe(
+    recipe: str,
+    params_file: str = "params.yaml",
+    overrides: list[str] | None = None,
+    out_root: str | None = None,
+    lock_token: str | None = None,
+) -> dict:
+    """Quantize, calibrate and evaluate one recipe; fails when the stage fails.
+
+    `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.runlock).
+    """
+    params_file = str(Path(params_file).resolve())
+    layout = Layout(Path(out_root or Path(params_file).parent).resolve())
+    seconds = run_stage_process(["ptq", recipe], params_file, list(overrides or []), layout,
+                                env={TOKEN_ENV: lock_token} if lock_token else None)
+    return {"recipe": recipe, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

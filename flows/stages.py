@@ -1,0 +1,56 @@
+"""Run one stage, `qad-pipeline stage ...`, as a child process; shared by the pipeline's flows.
+
+Each heavy stage runs in its own process (the same command that `dvc repro` runs), so a recipe
+that crashes or runs out of memory fails alone and the flow reports it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prefect import get_run_logger
+
+from qad_pipeline.layout import Layout
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def run_stage_process(
+    stage: list[str], params_file: str, overrides: list[str], layout: Layout, threads: int | None = None,
+    env: dict[str, str] | None = None,
+) -> float:
+    """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
+
+    `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
+    machine's cores, unless the caller's environment already sets OMP_NUM_THREADS. The child runs
+    in the params file's folder; `env` adds to its environment.
+    """
+    logger = get_run_logger()
+    name = "-".join(stage)
+    layout.logs.mkdir(parents=True, exist_ok=True)
+    log_path = layout.logs / f"{name}.log"
+    cmd = [sys.executable, "-m", "qad_pipeline", "stage", *stage, "--params", params_file,
+           "--out-root", str(layout.root)]
+    for item in overrides:
+        cmd += ["--set", item]
+    logger.info("%s: started (log: %s)", name, log_path)
+    started = time.time()
+    child_env = {**os.environ, **(env or {})}
+    if threads and "OMP_NUM_THREADS" not in child_env:
+        child_env["OMP_NUM_THREADS"] = str(threads)
+    with log_path.open("w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent,
+                              env=child_env).returncode
+    elapsed = time.time() - started
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-5:]
+        why = "killed (out of memory?)" if code < 0 else f"exit code {code}"
+        raise StageFailed(f"{name} failed after {elapsed:.0f}s, {why}; last lines of {log_path}:\n" + "\n".join(tail))
+    logger.info("%s: done in %.1fs", name, elapsed)
+    return elapsed

@@ -1,0 +1,131 @@
+"""`prefect deployment run qad-pipeline/default` against a real local Prefect server (SQLite), with
+a control worker and two process workers standing in for two GPUs, deployed from prefect.yaml."""
+
+import os
+import shutil
+import signal
+import time
+from datetime import timedelta
+
+import psutil
+import pytest
+
+from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.devstack import LocalPrefect
+from tests.conftest import GOOD_RECIPES, TINY
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with LocalPrefect(tmp_path_factory.mktemp("prefect")) as stack:
+        stack.worker("qad-control", "control", limit=4)
+        for gpu in (0, 1):
+            stack.worker("qad-gpu", f"gpu-{gpu}", {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": "1"})
+        stack.deploy()
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def recipe_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("recipes")
+    for name in GOOD_RECIPES:
+        shutil.copy(PROJECT_ROOT / "recipes" / f"{name}.yaml", folder)
+    return folder
+
+
+def params(out_root, recipe_dir) -> dict:
+    # PTQ only: the policy ptq_final ends the flow at selection.
+    return {"out_root": str(out_root), "recipes": GOOD_RECIPES,
+            "overrides": [*TINY, f"ptq.recipe_dir={recipe_dir}", "selection.policy=ptq_final"]}
+
+
+def recipe_runs(stack, parent_id) -> dict:
+    """The parent's ptq-recipe flow runs, by recipe."""
+    runs = [r for r in stack.flow_runs("ptq-recipe") if r.parameters.get("out_root")]
+    with stack.client() as client:
+        parent_tasks = {t.id for t in client.read_task_runs() if t.flow_run_id == parent_id}
+    return {r.parameters["recipe"]: r for r in runs if r.parent_task_run_id in parent_tasks}
+
+
+def test_setup_created_the_pools_and_the_crash_automation(stack):
+    from qad_pipeline.prefect_setup import AUTOMATION
+
+    with stack.client() as client:
+        assert {p.name: p.type for p in client.read_work_pools()} == {"qad-control": "process", "qad-gpu": "process"}
+        [automation] = client.read_automations_by_name(AUTOMATION)
+        assert automation.trigger.posture == "Proactive" and automation.actions[0].state == "CRASHED"
+        names = {d.name for d in client.read_deployments()}
+    assert names == {"default", "gpu", "cron"}
+
+
+def test_unknown_parameter_and_bad_value_fail_at_once(stack, tmp_path):
+    done = stack.run("qad-pipeline/default", {"stepz": 3}, check=False)
+    assert done.returncode != 0 and "'stepz'" in done.stdout + done.stderr
+
+    run = stack.wait(stack.run("qad-pipeline/default", {"out_root": str(tmp_path), "qad": {"steps": -1}}), timeout=300)
+    assert run.state.is_failed()
+    assert "qad.steps = -1" in run.state.message, run.state.message
+    assert not recipe_runs(stack, run.id)  # nothing was started: no worker loaded a model
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_recipes_run_at_once_on_two_gpu_workers(stack, tmp_path, recipe_dir):
+    run = stack.wait(stack.run("qad-pipeline/default", params(tmp_path / "run", recipe_dir)))
+    assert run.state.is_completed(), run.state.message
+    children = recipe_runs(stack, run.id)
+    assert set(children) == set(GOOD_RECIPES)
+    assert all(c.state.is_completed() and c.work_pool_name == "qad-gpu" for c in children.values())
+    a, b = children.values()
+    overlap = min(a.end_time, b.end_time) - max(a.start_time, b.start_time)
+    assert overlap > timedelta(seconds=5), f"the recipe runs did not overlap: {a.start_time}..{a.end_time}, " \
+                                            f"{b.start_time}..{b.end_time}"
+    # Prefect's own record of which worker took each run
+    submitted = {e["related"][0]["prefect.resource.id"].removeprefix("prefect.flow-run."): e["resource"]["prefect.resource.id"]
+                 for e in stack.events("prefect.worker.submitted-flow-run")
+                 if e.get("related") and e["related"][0]["prefect.resource.id"].startswith("prefect.flow-run.")}
+    workers = {submitted[str(c.id)] for c in children.values()}
+    assert workers == {"prefect.worker.process.gpu-0", "prefect.worker.process.gpu-1"}, workers
+    assert len({c.infrastructure_pid for c in children.values()}) == 2
+    for name in GOOD_RECIPES:
+        assert (tmp_path / "run/artifacts/ptq" / name / "scores.json").is_file()
+
+
+def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(stack, tmp_path, recipe_dir):
+    survivor, victim = GOOD_RECIPES
+    root = tmp_path / "crash"
+    args = params(root, recipe_dir)
+    first = stack.wait(stack.run("qad-pipeline/default", args))  # both recipes computed
+    assert first.state.is_completed()
+    victim_file = recipe_dir / f"{victim}.yaml"
+    victim_file.write_text(victim_file.read_text() + "\n# changed: only this recipe re-runs\n")
+
+    parent = stack.run("qad-pipeline/default", args)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        child = recipe_runs(stack, parent).get(victim)
+        if child and child.state.is_running() and child.infrastructure_pid:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the victim's recipe run never started")
+    time.sleep(3)
+    pid = int(child.infrastructure_pid.rsplit(":", 1)[1])
+    process = psutil.Process(pid)
+    for p in [*process.children(recursive=True), process]:  # what a lost node or an OOM kill leaves
+        os.kill(p.pid, signal.SIGKILL)
+    second = stack.wait(parent)
+    assert second.state.is_completed(), second.state.message  # selection went on with the survivor
+    crashed = recipe_runs(stack, parent)[victim]
+    assert crashed.state.name == "Crashed", crashed.state
+    logs = "\n".join(stack.logs(parent))
+    assert f"PTQ failed for {victim}" in logs and "Crashed" in logs
+    assert survivor not in recipe_runs(stack, parent)  # taken from cache: no flow run at all
+
+    third = stack.wait(stack.run("qad-pipeline/default", args))
+    assert third.state.is_completed()
+    assert set(recipe_runs(stack, third.id)) == {victim}  # only the missing recipe runs again
+    logs = "\n".join(stack.logs(third.id))
+    assert f"PTQ taken from cache (inputs unchanged): {survivor}" in logs
+    assert "PTQ failed" not in logs
