@@ -45,7 +45,7 @@ def recipe_runs(stack, parent_id) -> dict:
     """The parent's ptq-recipe flow runs, by recipe."""
     runs = [r for r in stack.flow_runs("ptq-recipe") if r.parameters.get("out_root")]
     with stack.client() as client:
-        parent_tasks = {t.id for t in client.read_task_runs() if t.flow_run_id == parent_id}
+        parent_tasks = {t.id for t in client.read_task_runs() if str(t.flow_run_id) == str(parent_id)}
     return {r.parameters["recipe"]: r for r in runs if r.parent_task_run_id in parent_tasks}
 
 
@@ -82,9 +82,12 @@ def test_recipes_run_at_once_on_two_gpu_workers(stack, tmp_path, recipe_dir):
     assert overlap > timedelta(seconds=5), f"the recipe runs did not overlap: {a.start_time}..{a.end_time}, " \
                                             f"{b.start_time}..{b.end_time}"
     # Prefect's own record of which worker took each run
-    submitted = {e["related"][0]["prefect.resource.id"].removeprefix("prefect.flow-run."): e["resource"]["prefect.resource.id"]
-                 for e in stack.events("prefect.worker.submitted-flow-run")
-                 if e.get("related") and e["related"][0]["prefect.resource.id"].startswith("prefect.flow-run.")}
+    submitted = {}
+    for event in stack.events("prefect.worker.submitted-flow-run"):
+        for related in event.get("related") or []:
+            if related["prefect.resource.id"].startswith("prefect.flow-run."):
+                submitted[related["prefect.resource.id"].removeprefix("prefect.flow-run.")] = \
+                    event["resource"]["prefect.resource.id"]
     workers = {submitted[str(c.id)] for c in children.values()}
     assert workers == {"prefect.worker.process.gpu-0", "prefect.worker.process.gpu-1"}, workers
     assert len({c.infrastructure_pid for c in children.values()}) == 2
@@ -111,7 +114,7 @@ def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(s
     else:
         pytest.fail("the victim's recipe run never started")
     time.sleep(3)
-    pid = int(child.infrastructure_pid.rsplit(":", 1)[1])
+    pid = int(str(child.infrastructure_pid).rsplit(":", 1)[-1])  # "pid" or "host:pid"
     process = psutil.Process(pid)
     for p in [*process.children(recursive=True), process]:  # what a lost node or an OOM kill leaves
         os.kill(p.pid, signal.SIGKILL)
