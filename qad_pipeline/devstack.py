@@ -179,3 +179,48 @@ class LocalPrefect:
             rows = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))])),
                                     limit=200)
         return [row.message for row in rows]
+
+
+# A DVC project ----------------------------------------------------------------------------------
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "recipes", "eval_tasks", "data/heldout", "tasks", "qad_pipeline",
+                 ".dvc/config", ".dvcignore", ".gitignore"]
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "qad-pipeline", "GIT_AUTHOR_EMAIL": "qad-pipeline@localhost",
+                "GIT_COMMITTER_NAME": "qad-pipeline", "GIT_COMMITTER_EMAIL": "qad-pipeline@localhost"}
+
+
+def tool_env() -> dict[str, str]:
+    """This environment with the venv's commands (qad-pipeline, dvc, prefect) first on PATH."""
+    return {**os.environ, **GIT_IDENTITY,
+            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
+
+
+def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=cwd, env=tool_env(), capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def make_dvc_project(repo: Path, overrides: list[str], remote: Path) -> Path:
+    """A fresh git + DVC project with this project's pipeline files, params.yaml with `overrides`
+    applied, the demo model as `models/base` tracked with `dvc add`, and `remote` as DVC remote."""
+    import shutil
+
+    import yaml
+
+    from qad_pipeline.config import apply_overrides
+
+    for rel in PROJECT_FILES:
+        src, dst = PROJECT_ROOT / rel, repo / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    shutil.copytree(PROJECT_ROOT / "demo" / "model", repo / "models" / "base")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params = apply_overrides(params, [*overrides, "base_model.path=models/base"])
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(repo, "git", "init", "-q")
+    sh(repo, "dvc", "remote", "add", "-f", "-d", "local", str(remote))
+    sh(repo, "dvc", "add", "-q", "models/base")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-q", "-m", "project")
+    return repo
