@@ -37,7 +37,7 @@ from qad_pipeline import tracking, versioning
 from qad_pipeline.artifacts import list_files, read_json
 from qad_pipeline.config import load_params, resolve
 from qad_pipeline.flows.stages import StageFailed, run_stage_process
-from qad_pipeline.layout import Layout
+from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
 from qad_pipeline.report import recipe_rows, report_markdown, report_text
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
@@ -168,7 +168,7 @@ def qad_pipeline(
     overrides = list(overrides or []) + parameter_overrides(base_model, recipes, qad)
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)  # a bad value fails here, before any model loads
-    layout = Layout(Path(out_root or Path(params_file).parent).resolve())
+    layout = Layout(output_root(out_root, params_file))
     preflight(params, layout.root)
     logger = get_run_logger()
     with base_model_slot(params), run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:

@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import flow
 
 from qad_pipeline.flows.stages import run_stage_process
-from qad_pipeline.layout import Layout
+from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
 
 
@@ -35,7 +35,7 @@ def ptq_recipe(
     `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.runlock).
     """
     params_file = str(Path(params_file).resolve())
-    layout = Layout(Path(out_root or Path(params_file).parent).resolve())
+    layout = Layout(output_root(out_root, params_file))
     seconds = run_stage_process(["ptq", recipe], params_file, list(overrides or []), layout,
                                 env={TOKEN_ENV: lock_token} if lock_token else None)
     return {"recipe": recipe, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),

@@ -23,7 +23,7 @@ from qad_pipeline.config import (
     check_recipes,
     load_params,
 )
-from qad_pipeline.layout import Layout
+from qad_pipeline.layout import Layout, output_root
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 
@@ -42,10 +42,6 @@ RootOpt = Annotated[
     Path | None,
     typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
 ]
-
-
-def out_root_for(out_root: Path | None, params_file: Path) -> Path:
-    return (out_root or params_file.resolve().parent).resolve()
 
 
 class Stage(str, Enum):
@@ -94,7 +90,7 @@ def run(
     out_root: RootOpt = None,
 ) -> None:
     """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
-    out_root = out_root_for(out_root, params_file)
+    out_root = output_root(out_root, params_file)
     try:
         params = resolve_params(params_file, overrides, base_model)
         preflight(params, out_root)
@@ -107,11 +103,11 @@ def run(
     from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
     from qad_pipeline.report import report_text
 
-    items = list(overrides or []) + ([f"base_model.path={base_model}"] if base_model else [])
     from qad_pipeline.runlock import LockHeld
 
     try:
-        summary = qad_pipeline(params_file=str(params_file), overrides=items, out_root=str(out_root))
+        summary = qad_pipeline(params_file=str(params_file), overrides=list(overrides or []), out_root=str(out_root),
+                               base_model=base_model)
     except (StageFailed, LockHeld) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
@@ -147,7 +143,7 @@ def stage(
         _fail(err)
     from qad_pipeline.runlock import run_lock
 
-    layout = Layout(out_root_for(out_root, params_file))
+    layout = Layout(output_root(out_root, params_file))
     what = f"run stage {name.value}" + (f" {recipe}" if recipe else "")
     try:
         with run_lock(layout.root, what, on_stale=lambda msg: typer.echo(f"warning: {msg}", err=True)):
@@ -168,7 +164,7 @@ def log_mlflow(
     from qad_pipeline.artifacts import read_json
     from qad_pipeline.report import recipe_rows, report_text
 
-    layout = Layout(out_root_for(out_root, params_file))
+    layout = Layout(output_root(out_root, params_file))
     try:
         params = resolve_params(params_file, overrides, base_model)
         tracking.check_reachable(tracking.tracking_uri(layout.root))
@@ -200,7 +196,7 @@ def compare(
 
     try:
         params = resolve_params(params_file, overrides, base_model)
-        uri = tracking.tracking_uri(out_root_for(out_root, params_file))
+        uri = tracking.tracking_uri(output_root(out_root, params_file))
         tracking.check_reachable(uri)
         rows = tracking.compare_table(uri, tracking.experiment_name(params.base_model.path), run_id)
     except (ConfigError, LookupError) as err:

@@ -41,8 +41,7 @@ class LocalPrefect:
         self.api = f"http://127.0.0.1:{self.port}/api"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = {
-            **os.environ,
-            "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""),
+            **tool_env(),
             "PREFECT_HOME": str(self.folder / "prefect-home"),
             "PREFECT_API_URL": self.api,
             "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.folder / 'prefect.db'}",
@@ -201,23 +200,27 @@ def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return done
 
 
+def set_params(repo: Path, overrides: list[str]) -> None:
+    """Apply `section.key=value` overrides to the project's params.yaml itself."""
+    import yaml
+
+    from qad_pipeline.config import apply_overrides
+
+    path = repo / "params.yaml"
+    path.write_text(yaml.safe_dump(apply_overrides(yaml.safe_load(path.read_text()), overrides), sort_keys=False))
+
+
 def make_dvc_project(repo: Path, overrides: list[str], remote: Path) -> Path:
     """A fresh git + DVC project with this project's pipeline files, params.yaml with `overrides`
     applied, the demo model as `models/base` tracked with `dvc add`, and `remote` as DVC remote."""
     import shutil
-
-    import yaml
-
-    from qad_pipeline.config import apply_overrides
 
     for rel in PROJECT_FILES:
         src, dst = PROJECT_ROOT / rel, repo / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
     shutil.copytree(PROJECT_ROOT / "demo" / "model", repo / "models" / "base")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params = apply_overrides(params, [*overrides, "base_model.path=models/base"])
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(repo, [*overrides, "base_model.path=models/base"])
     sh(repo, "git", "init", "-q")
     sh(repo, "dvc", "remote", "add", "-f", "-d", "local", str(remote))
     sh(repo, "dvc", "add", "-q", "models/base")

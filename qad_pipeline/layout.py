@@ -10,6 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def output_root(out_root: str | Path | None, params_file: str | Path) -> Path:
+    """The folder that receives artifacts/ and metrics/: `out_root`, or the params file's folder."""
+    return Path(out_root or Path(params_file).resolve().parent).resolve()
+
+
 @dataclass(frozen=True)
 class Layout:
     root: Path

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qad_pipeline.config import apply_overrides
-from qad_pipeline.devstack import make_dvc_project, sh, tool_env
+from qad_pipeline.devstack import make_dvc_project, set_params, sh, tool_env
 from tests.conftest import GOOD_RECIPES, TINY
 
 pytestmark = pytest.mark.slow
@@ -28,11 +27,6 @@ def repro(repo: Path, *args: str) -> tuple[set[str], str]:
     """Run `dvc repro`; the set of stages it ran and its output."""
     done = sh(repo, "dvc", "repro", *args)
     return set(re.findall(r"Running stage '([^']+)'", done.stdout)), done.stdout
-
-
-def set_params(repo: Path, *overrides: str) -> None:
-    path = repo / "params.yaml"
-    path.write_text(yaml.safe_dump(apply_overrides(yaml.safe_load(path.read_text()), list(overrides)), sort_keys=False))
 
 
 def commit(repo: Path, message: str) -> None:
@@ -71,7 +65,7 @@ def test_full_run_then_nothing_to_do(project):
 
 def test_qad_parameter_reruns_qad_and_what_follows(project):
     repo = project[0]
-    set_params(repo, "qad.steps=3")
+    set_params(repo, ["qad.steps=3"])
     ran, _ = repro(repo)
     assert ran == {"qad", "final_eval", "export"}
     assert json.loads((repo / "artifacts/qad/loss.json").read_text())["steps"] == 3
@@ -171,7 +165,7 @@ def test_prefect_run_is_recorded_in_dvc(project):
     from qad_pipeline.flows.pipeline import qad_pipeline
 
     repo = project[0]
-    set_params(repo, "qad.lr=5.0e-5")
+    set_params(repo, ["qad.lr=5.0e-5"])
     assert "Data and pipelines are up to date" not in sh(repo, "dvc", "status").stdout
     with prefect_test_harness(server_startup_timeout=120):
         summary = qad_pipeline(params_file=str(repo / "params.yaml"))
