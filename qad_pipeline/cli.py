@@ -243,11 +243,11 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
     elif name is Stage.baseline:
         from qad_pipeline.tasks.evaluate import run_baseline
 
-        run_baseline(params, layout.data, layout.baseline_metrics)
+        run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
     elif name is Stage.ptq:
         from qad_pipeline.tasks.ptq import run_ptq
 
-        result = run_ptq(params, recipe, layout.data, layout.ptq(recipe))
+        result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
         typer.echo(f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element")
     elif name is Stage.selection:
         from qad_pipeline.tasks.selection import run_selection

@@ -41,6 +41,25 @@ class BaseModelParams(_Section):
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
 
+class HardwareParams(_Section):
+    """Where every stage's models run: one setting for baseline, PTQ, QAD, final eval and export."""
+
+    device: Literal["auto", "cpu", "cuda"]
+    device_map: Literal["single", "auto"]
+    max_memory: dict[str, str] | None = None
+    host_memory_gb: float | None = Field(default=None, gt=0)
+
+    @field_validator("max_memory")
+    @classmethod
+    def _memory_keys(cls, caps: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (caps or {}).items():
+            if not (key == "cpu" or key.isdigit()):
+                raise ValueError(f"max_memory key {key!r} must be a GPU index ('0', '1', ...) or 'cpu'")
+            if not re.match(r"^\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$", str(value)):
+                raise ValueError(f"max_memory[{key!r}] = {value!r} is not a size such as '70GiB'")
+        return caps
+
+
 class CalibrationParams(_Section):
     source: str
     dataset_config: str | None = None
@@ -56,7 +75,14 @@ class PTQParams(_Section):
     recipe_dir: str
     recipes: list[str] = Field(min_length=1)
     calib_batch_size: int = Field(gt=0)
-    max_parallel: int = Field(gt=0)
+    max_parallel: int | Literal["auto"]
+
+    @field_validator("max_parallel")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError(f"max_parallel must be 'auto' or a positive integer, got {value!r}")
+        return value
 
     @field_validator("recipes")
     @classmethod
@@ -79,6 +105,7 @@ class EvalParams(_Section):
     batch_size: int = Field(gt=0)
     ppl_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
+    kl_top_k: int = Field(gt=0)
 
 
 class SelectionParams(_Section):
@@ -107,10 +134,15 @@ class QADParams(_Section):
     source: str | None = None
     checkpoint_every: int = Field(gt=0)
     seed: int = 0
+    compute_dtype: Literal["bfloat16", "float32"]
+    gradient_checkpointing: bool
+    num_gpus: int = Field(ge=1)
+    sharding: Literal["ddp", "fsdp"]
 
 
 class Params(_Section):
     base_model: BaseModelParams
+    hardware: HardwareParams
     calibration: CalibrationParams
     ptq: PTQParams
     eval: EvalParams

@@ -23,6 +23,15 @@ class Layout:
     def data(self) -> Path:
         return self.root / "artifacts" / "calibration"
 
+    @property
+    def baseline(self) -> Path:
+        """The baseline's artifact folder: the BF16 reference distribution (`reference/`)."""
+        return self.root / "artifacts" / "baseline"
+
+    @property
+    def reference(self) -> Path:
+        return self.baseline / "reference"
+
     def ptq(self, recipe: str) -> Path:
         return self.root / "artifacts" / "ptq" / recipe
 
@@ -79,7 +88,7 @@ class Layout:
         """
         return {
             "calibration": [self.data],
-            "baseline": [self.baseline_metrics],
+            "baseline": [self.baseline_metrics, self.baseline],
             "ptq": [self.ptq(recipe)] if recipe else [],
             "selection": [self.selection_metrics, self.metrics / "ptq", self.recovery_table],
             "qad": [self.qad, self.qad_loss],

@@ -2,11 +2,28 @@
 
 `check_base_model` reads only the model's config (cheap, no weights) and fails with one clear line
 when the path does not exist, the model is not a causal LM, or a sequence length exceeds the
-model's maximum. `load_model` then loads the weights in the configured dtype.
+model's maximum. `load_model` then loads the weights in the configured dtype, where the
+`hardware` section says: every stage (baseline, PTQ, QAD, final eval, export) loads through it.
+
+Placement (`hardware.device`, `hardware.device_map`, `hardware.max_memory`):
+
+* `device: auto` is CUDA when this process sees a GPU (a GPU worker sees exactly the devices its
+  `CUDA_VISIBLE_DEVICES` or its Kubernetes GPU request gives it), else the CPU; `cpu` and `cuda`
+  force one (`cuda` without a visible GPU is an error before any weights load).
+* `device_map: single` puts the whole model on the process's current GPU; `auto` lets
+  accelerate's big-model loading spread it over the visible GPUs, then CPU RAM, within
+  `max_memory` (the way Model Optimizer's own `hf_ptq` example loads large checkpoints).
+* A model on the CPU gets the CPU emulation of Model Optimizer's NVFP4 kernels
+  (`qad_pipeline.nvfp4_cpu`), also on a machine that has a GPU; a model on CUDA runs Model
+  Optimizer's own CUDA/Triton kernels.
+
+Inputs go to `input_device(model)`, the device of the input embeddings (the first device of a
+model spread by `device_map: auto`; accelerate's hooks move activations between the others).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from qad_pipeline.artifacts import folder_sha256
-from qad_pipeline.config import BaseModelParams, ConfigError, resolve
+from qad_pipeline.config import BaseModelParams, ConfigError, HardwareParams, resolve
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -79,15 +96,67 @@ def load_tokenizer(params: BaseModelParams):
     return tok
 
 
-def load_model(params: BaseModelParams) -> PreTrainedModel:
+def resolve_device(hardware: HardwareParams) -> str:
+    """'cuda' or 'cpu', from `hardware.device` and what this process can see."""
+    if hardware.device == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if hardware.device == "cuda":
+        raise ConfigError(
+            "hardware.device = 'cuda' but this process sees no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use 'auto' or 'cpu'"
+        )
+    return "cpu"
+
+
+def prepare_device(hardware: HardwareParams) -> str:
+    """Resolve the device and, for the CPU, install the NVFP4 CPU kernels into Model Optimizer."""
+    device = resolve_device(hardware)
+    if device == "cpu":
+        from qad_pipeline.nvfp4_cpu import install_cpu_kernels
+
+        install_cpu_kernels(force=True)
+    return device
+
+
+def placement(hardware: HardwareParams) -> dict:
+    """`from_pretrained` keyword arguments that put a model where `hardware` says."""
+    device = prepare_device(hardware)
+    if device == "cpu":
+        return {}
+    if hardware.device_map == "single":
+        return {"device_map": {"": torch.cuda.current_device()}}
+    caps = {(int(k) if k.isdigit() else k): v for k, v in (hardware.max_memory or {}).items()}
+    return {"device_map": "auto", **({"max_memory": caps} if caps else {})}
+
+
+def load_model(
+    params: BaseModelParams, hardware: HardwareParams, folder: Path | None = None, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """The base model (or a saved stage checkpoint in `folder`, quantizer state included), placed.
+
+    `dtype` overrides `base_model.dtype` (QAD trains its student's master weights in float32).
+    """
+    kwargs = {"revision": params.revision, "trust_remote_code": params.trust_remote_code}
+    if folder is not None:
+        import modelopt.torch.opt as mto
+
+        mto.enable_huggingface_checkpointing()  # restores the quantizers and calibrated scales
+        kwargs = {"trust_remote_code": params.trust_remote_code}
     model = AutoModelForCausalLM.from_pretrained(
-        model_location(params),
-        revision=params.revision,
-        trust_remote_code=params.trust_remote_code,
-        dtype=DTYPES[params.dtype],
+        str(folder) if folder is not None else model_location(params),
+        dtype=dtype or DTYPES[params.dtype],
+        **kwargs,
+        **placement(hardware),
     )
     model.config.use_cache = False
     return model.eval()
+
+
+def input_device(model) -> torch.device:
+    """Where a model's input ids go: its input embeddings' device (the first of a spread model)."""
+    return model.get_input_embeddings().weight.device
 
 
 def checkpoint_identity(params: BaseModelParams) -> dict:

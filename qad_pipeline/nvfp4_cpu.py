@@ -335,16 +335,18 @@ def _route_dynamic_block_op(tensor_quant: types.ModuleType) -> None:
     _state["library"] = library
 
 
-def install_cpu_kernels() -> bool:
+def install_cpu_kernels(force: bool = False) -> bool:
     """Route modelopt's NVFP4 fake-quant kernels to the CPU emulation when CUDA is absent.
 
-    Returns False, touching nothing, when ``torch.cuda.is_available()``; otherwise patches (once;
-    later calls are no-ops) and returns True. Patched: the ``triton_kernel`` module reference in
+    Returns False, touching nothing, when ``torch.cuda.is_available()`` and not ``force``;
+    otherwise patches (once; later calls are no-ops) and returns True. ``force`` is for a model
+    that runs on the CPU of a machine with a GPU (``hardware.device: cpu``): the patched kernels
+    compute with torch ops on whatever device their inputs are on. Patched: the ``triton_kernel`` module reference in
     ``modelopt.torch.quantization.tensor_quant`` (static fake quant, FP4 cast, dynamic block
     kernel) and the CPU kernel of the ``tensorrt::dynamic_block_quantize_op`` torch.library op
     (NVFP4 only; other formats fall through to modelopt's own implementation).
     """
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not force:
         return False
     from modelopt.torch.quantization import tensor_quant
 
@@ -353,7 +355,8 @@ def install_cpu_kernels() -> bool:
     _route_dynamic_block_op(tensor_quant)
     tensor_quant.triton_kernel = _CpuKernelModule(tensor_quant.triton_kernel)
     logger.warning(
-        "No CUDA device: modelopt NVFP4 fake quantization runs emulated on CPU "
-        "(qad_pipeline.nvfp4_cpu) - slow, meant for development and CI only."
+        "%s: modelopt NVFP4 fake quantization runs emulated on CPU (qad_pipeline.nvfp4_cpu) - slow, "
+        "meant for development, CI and CPU-only workers.",
+        "hardware.device is cpu" if torch.cuda.is_available() else "No CUDA device",
     )
     return True

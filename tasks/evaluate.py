@@ -7,18 +7,18 @@
   calibration stage wrote; any other name is looked up in lm-eval's own task registry.
   The task's first listed metric is its score.
 * perplexity over the held-out token windows (a task whose lower value is better);
-* KL divergence to the BF16 model's next-token distribution, when reference log-probs are given.
+* KL divergence to the BF16 model's next-token distribution, read from the reference that the
+  baseline wrote (`qad_pipeline.reference`: top-k log-probs + rest mass, streamed).
 
-The BF16 baseline stage (`run_baseline`) writes `metrics/baseline.json`.
+The BF16 baseline stage (`run_baseline`) writes `metrics/baseline.json` and that reference
+(`artifacts/baseline/reference/`), in one pass over the held-out windows.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from qad_pipeline.artifacts import write_json
@@ -92,60 +92,49 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
     }
 
 
-@torch.no_grad()
-def next_token_logprobs(model, windows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """Per batch, log-probabilities of the next token at every position (float32, on CPU)."""
-    out = []
-    for i in range(0, len(windows), batch_size):
-        batch = windows[i : i + batch_size].to(next(model.parameters()).device)
-        logits = model(input_ids=batch).logits[:, :-1].float()
-        out.append(F.log_softmax(logits, dim=-1).cpu())
-    return out
-
-
-def perplexity(logprobs: list[torch.Tensor], windows: torch.Tensor, batch_size: int) -> float:
-    nll, count = 0.0, 0
-    for i, lp in enumerate(logprobs):
-        targets = windows[i * batch_size : i * batch_size + len(lp), 1:]
-        nll -= lp.gather(-1, targets.unsqueeze(-1)).sum().item()
-        count += targets.numel()
-    return math.exp(nll / count)
-
-
-def kl_divergence(reference: list[torch.Tensor], logprobs: list[torch.Tensor]) -> float:
-    """Mean over positions of KL(reference || model), in nats."""
-    total, count = 0.0, 0
-    for ref, lp in zip(reference, logprobs, strict=True):
-        total += (ref.exp() * (ref - lp)).sum().item()
-        count += ref.shape[0] * ref.shape[1]
-    return total / count
-
-
 def evaluate_model(
-    model, tokenizer, params: EvalParams, data_dir: Path, reference: list[torch.Tensor] | None = None
+    model, tokenizer, params: EvalParams, data_dir: Path, reference: Path | None = None,
+    write_reference: Path | None = None,
 ) -> dict:
-    """Scores of one model: lm-eval tasks + perplexity (+ KL to the reference log-probs)."""
+    """Scores of one model: lm-eval tasks + perplexity (+ KL to the BF16 reference in `reference`).
+
+    `write_reference` (the baseline only) is where this model's own top-k reference is written, in
+    the same pass over the held-out windows (`qad_pipeline.reference`).
+    """
+    from qad_pipeline.reference import Reference, ReferenceWriter, score_windows, windows_fingerprint
+
     windows = torch.from_numpy(load_ppl_windows(data_dir))
-    logprobs = next_token_logprobs(model, windows, params.batch_size)
+    ref = Reference(reference) if reference is not None else None
+    if ref is not None:
+        ref.check_windows(windows)
+    writer = ReferenceWriter(write_reference, len(windows), windows.shape[1] - 1, params.kl_top_k) \
+        if write_reference is not None else None
+    streamed = score_windows(model, windows, params.batch_size, reference=ref, writer=writer)
+    written = None
+    if writer is not None:
+        written = writer.close({"windows": len(windows), "positions": windows.shape[1] - 1,
+                                "windows_fingerprint": windows_fingerprint(windows),
+                                "vocab_size": model.config.vocab_size})
     tasks = lm_eval_scores(model, tokenizer, params, Path(data_dir) / "eval")
-    tasks["perplexity"] = {
-        "metric": "perplexity",
-        "value": perplexity(logprobs, windows, params.batch_size),
-        "higher_is_better": False,
-    }
+    tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False}
     result = {"tasks": tasks}
-    if reference is not None:
-        result["kl_divergence"] = kl_divergence(reference, logprobs)
+    if ref is not None:
+        result["kl_divergence"] = streamed["kl_divergence"]
+        result["kl_estimator"] = f"top-{ref.manifest['k']} + rest mass (lower bound of the full KL)"
+    if written is not None:
+        result["reference"] = {"k": written["k"], "fingerprint": written["fingerprint"]}
     return result
 
 
-def run_baseline(params: Params, data_dir: Path, metrics_path: Path) -> dict:
-    """Stage core: score the BF16 base model; write metrics/baseline.json."""
+def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_dir: Path) -> dict:
+    """Stage core: score the BF16 base model; write metrics/baseline.json and the BF16 reference."""
+    from qad_pipeline.artifacts import staged_dir
     from qad_pipeline.modeling import checkpoint_identity, load_model, load_tokenizer
     from qad_pipeline.sizes import size_report
 
-    model, tokenizer = load_model(params.base_model), load_tokenizer(params.base_model)
-    scores = evaluate_model(model, tokenizer, params.eval, data_dir)
+    model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
+    with staged_dir(reference_dir) as tmp:
+        scores = evaluate_model(model, tokenizer, params.eval, data_dir, write_reference=tmp)
     sizes = size_report(model)
     metrics = {
         "model": checkpoint_identity(params.base_model),

@@ -279,19 +279,19 @@ def run_export(params: Params, layout: Layout) -> dict:
     import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.export import export_hf_checkpoint
 
-    from qad_pipeline.modeling import load_tokenizer
+    from qad_pipeline.modeling import input_device, load_model, load_tokenizer
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
-    from qad_pipeline.tasks.qad import load_student
 
     student_dir = layout.qad / "model"
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
                              + [str((student_dir / "model.safetensors").stat().st_size)])
     check_target(layout.export, source_key)
-    student = load_student(student_dir).to(torch.bfloat16).eval()
+    student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
     expected = size_report(student)
     batch = torch.from_numpy(load_ppl_windows(layout.data)[:2])
-    reference = weight_only_logits(student, batch)  # before export: it packs the weights in place
+    # before export: it packs the weights in place
+    reference = weight_only_logits(student, batch.to(input_device(student))).cpu()
 
     metrics: dict = {}
     with staged_dir(layout.export) as tmp:

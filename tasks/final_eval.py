@@ -1,7 +1,7 @@
 """Final evaluation: `qad-pipeline stage final_eval`.
 
 Scores the QAD student on the same tasks as the PTQ stage (lm-eval tasks, perplexity, KL to the
-BF16 model) and writes `metrics/qad.json`: its per-task scores and median recovery next to the
+BF16 reference the baseline wrote) and writes `metrics/qad.json`: its per-task scores and median recovery next to the
 selected PTQ recipe's, and one table with BF16, the PTQ recipe and QAD.
 """
 
@@ -33,19 +33,14 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
 
     import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.tasks.calibration import load_ppl_windows
-    from qad_pipeline.tasks.evaluate import evaluate_model, next_token_logprobs
-    from qad_pipeline.tasks.qad import load_student
+    from qad_pipeline.tasks.evaluate import evaluate_model
 
     selection = read_json(layout.selection_metrics)
     recipe = selection["selected"]
     baseline = read_json(layout.baseline_metrics)
     ptq = read_json(layout.ptq_metrics(recipe))
-    windows = torch.from_numpy(load_ppl_windows(layout.data))
-    reference = next_token_logprobs(load_model(params.base_model), windows, params.eval.batch_size)
-
-    student = load_student(layout.qad / "model").to(torch.bfloat16).eval()
-    scores = evaluate_model(student, load_tokenizer(params.base_model), params.eval, layout.data, reference)
+    student = load_model(params.base_model, params.hardware, folder=layout.qad / "model", dtype=torch.bfloat16)
+    scores = evaluate_model(student, load_tokenizer(params.base_model), params.eval, layout.data, layout.reference)
     per_task = recoveries(scores["tasks"], baseline["tasks"])
     for task, value in per_task.items():
         scores["tasks"][task]["recovery"] = value

@@ -1,9 +1,9 @@
 """Post-training quantization with one recipe: `qad-pipeline stage ptq RECIPE`.
 
-Loads the BF16 base model, records its next-token distribution on the held-out windows (the
-reference for KL divergence), quantizes and calibrates it with Model Optimizer
-(`mtq.quantize` with the recipe file's own config, calibration samples from the calibration
-stage), then evaluates it and writes:
+Loads the BF16 base model where `hardware` says, quantizes and calibrates it with Model
+Optimizer (`mtq.quantize` with the recipe file's own config, calibration samples from the
+calibration stage), then evaluates it — KL divergence against the BF16 reference that the
+baseline stage wrote once (the BF16 model never runs over the eval windows here) — and writes:
 
     <out>/checkpoint/   the fake-quantized model, saved with its quantizers and calibrated
                         scales (Model Optimizer's Hugging Face checkpointing), for QAD
@@ -22,10 +22,10 @@ import torch
 
 from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.config import Params
-from qad_pipeline.modeling import load_model, load_tokenizer
+from qad_pipeline.modeling import input_device, load_model, load_tokenizer
 from qad_pipeline.sizes import kv_cache_format, size_report
-from qad_pipeline.tasks.calibration import load_calibration, load_ppl_windows
-from qad_pipeline.tasks.evaluate import evaluate_model, next_token_logprobs
+from qad_pipeline.tasks.calibration import load_calibration
+from qad_pipeline.tasks.evaluate import evaluate_model
 
 def load_quantize_config(recipe_path: Path):
     """The recipe's quantize section, through Model Optimizer's own recipe loader."""
@@ -42,7 +42,7 @@ def calibration_loop(samples: torch.Tensor, batch_size: int):
     """Model Optimizer's forward_loop: run the calibration samples through the model."""
 
     def forward_loop(model) -> None:
-        device = next(model.parameters()).device
+        device = input_device(model)
         with torch.no_grad():
             for i in range(0, len(samples), batch_size):
                 model(input_ids=samples[i : i + batch_size].to(device))
@@ -65,12 +65,13 @@ def save_quantized(model, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def run_ptq(params: Params, recipe: str, data_dir: Path, out_dir: Path) -> dict:
+def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, out_dir: Path) -> dict:
     """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores."""
+    from qad_pipeline.reference import Reference
+
     started = time.time()
-    model, tokenizer = load_model(params.base_model), load_tokenizer(params.base_model)
-    windows = torch.from_numpy(load_ppl_windows(data_dir))
-    reference = next_token_logprobs(model, windows, params.eval.batch_size)
+    Reference(reference_dir)  # fail before loading anything when the baseline has not run
+    model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
 
     samples = torch.from_numpy(load_calibration(data_dir))
     t0 = time.time()
@@ -79,7 +80,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, out_dir: Path) -> dict:
     sizes = size_report(model)
 
     t0 = time.time()
-    scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference)
+    scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir)
     eval_s = time.time() - t0
     result = {
         "recipe": recipe,
@@ -95,11 +96,18 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, out_dir: Path) -> dict:
         "started_at": started,
         "finished_at": time.time(),
         "peak_rss_mb": _peak_rss_mb(),
+        "peak_device_mb": _peak_device_mb(),
     }
     with staged_dir(out_dir) as tmp:
         save_quantized(model, tokenizer, tmp / "checkpoint")
         write_json(tmp / "scores.json", result)
     return result
+
+
+def _peak_device_mb() -> float | None:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return sum(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**20
 
 
 def _peak_rss_mb() -> float:

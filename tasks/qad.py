@@ -136,7 +136,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     tokenizer = load_tokenizer(params.base_model)
     windows = training_windows(params, tokenizer, data_dir)
 
-    teacher = load_model(params.base_model).requires_grad_(False).eval()
+    teacher = load_model(params.base_model, params.hardware).requires_grad_(False).eval()
     student = load_student(student_dir).train()
     optimizer = torch.optim.AdamW(
         [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay
