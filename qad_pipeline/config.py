@@ -106,6 +106,7 @@ class EvalParams(_Section):
     ppl_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     kl_top_k: int = Field(gt=0)
+    kl_tail_samples: int = Field(ge=0)
 
 
 class SelectionParams(_Section):

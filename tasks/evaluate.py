@@ -107,8 +107,10 @@ def evaluate_model(
     ref = Reference(reference) if reference is not None else None
     if ref is not None:
         ref.check_windows(windows)
-    writer = ReferenceWriter(write_reference, len(windows), windows.shape[1] - 1, params.kl_top_k) \
-        if write_reference is not None else None
+    writer = None
+    if write_reference is not None:
+        writer = ReferenceWriter(write_reference, len(windows), windows.shape[1] - 1, model.config.vocab_size,
+                                 params.kl_top_k, params.kl_tail_samples)
     streamed = score_windows(model, windows, params.batch_size, reference=ref, writer=writer)
     written = None
     if writer is not None:
@@ -120,9 +122,10 @@ def evaluate_model(
     result = {"tasks": tasks}
     if ref is not None:
         result["kl_divergence"] = streamed["kl_divergence"]
-        result["kl_estimator"] = f"top-{ref.manifest['k']} + rest mass (lower bound of the full KL)"
+        result["kl_estimator"] = (f"exact over the top {ref.manifest['k']} tokens + "
+                                  f"{ref.manifest['tail_samples']} tail samples per position")
     if written is not None:
-        result["reference"] = {"k": written["k"], "fingerprint": written["fingerprint"]}
+        result["reference"] = {key: written[key] for key in ("k", "tail_samples", "fingerprint")}
     return result
 
 
