@@ -1,7 +1,7 @@
 """The `qad-pipeline` Prefect flow: `qad-pipeline run` (locally) or `prefect deployment run qad-pipeline/...`.
 
-    calibration ──┬── baseline (BF16 eval) ──────────┐
-                  └── ptq × 5 recipes, in parallel ──┴── selection ── qad ── final_eval ── export
+    calibration ── baseline (BF16 eval + reference) ── ptq × 5 recipes, in parallel ── selection
+                                                          ── qad ── final_eval ── export
 
 With `selection.policy: ptq_final` the flow ends at selection (PTQ is the last step); when no
 recipe qualifies it ends there too, and the report says why.
@@ -10,11 +10,17 @@ Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same com
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
 it and selection goes on among the survivors. With `recipe_deployment` set (the deployed
 `qad-pipeline/default` sets `ptq-recipe/gpu`), each recipe is a flow run of its own on that
-deployment's work pool instead, one GPU each, and this flow waits for all of them.
+deployment's work pool instead, one GPU each, and this flow waits for all of them; with
+`stage_deployment` set (`gpu-stage/gpu`), the other GPU-heavy stages (baseline, qad,
+final_eval, export) run as flow runs on the GPU pool too, so the parent on the CPU-only control
+pool never loads a model. How many recipes run at once here is `ptq.max_parallel` (`auto`: what
+the memory plan fits, `qad_pipeline.memory`).
 
-A recipe whose inputs (recipe file, parameters, calibration data, base model, code) are unchanged
-since its last successful run is taken from Prefect's cache instead of running again, so a re-run
-after a crash only runs the recipes that are missing.
+The baseline writes the BF16 reference distribution that every recipe's KL is measured against,
+so the recipes wait for it. A baseline or a recipe whose inputs (parameters, calibration data,
+base model, code, and for a recipe its file and the reference) are unchanged since its last
+successful run is taken from Prefect's cache instead of running again, so a re-run after a crash,
+or with only `selection.*` changed, runs only what is missing.
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 __all__ = ["StageFailed", "qad_pipeline"]
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
-# The code a PTQ result depends on: a change to any of these makes every recipe run again.
-PTQ_CODE = ["qad_pipeline.tasks.ptq", "qad_pipeline.tasks.evaluate", "qad_pipeline.nvfp4_cpu", "qad_pipeline.sizes"]
+# The code a baseline result depends on, and a PTQ result in addition: a change to any of these
+# makes the stage run again.
+BASELINE_CODE = ["qad_pipeline.tasks.evaluate", "qad_pipeline.reference", "qad_pipeline.modeling",
+                 "qad_pipeline.tasks.calibration", "qad_pipeline.sizes"]
+PTQ_CODE = [*BASELINE_CODE, "qad_pipeline.tasks.ptq", "qad_pipeline.nvfp4_cpu"]
 
 
 def _hash_files(digest, paths) -> None:
@@ -55,21 +64,40 @@ def _hash_files(digest, paths) -> None:
         digest.update(Path(path).read_bytes() if Path(path).is_file() else b"<missing>")
 
 
-def ptq_cache_key(context, arguments: dict[str, Any]) -> str:
-    """A PTQ recipe's inputs: its recipe file, its parameters, the calibration data, the base
-    model (file listing with sizes and times, or hub id and revision), the code and the out-root."""
-    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
-    layout: Layout = arguments["layout"]
-    recipe = arguments["recipe"]
+def _inputs_key(params, layout: Layout, include: dict, files: list[Path], code: list[str], extra: str) -> str:
+    """sha256 of what a stage reads: its parameters, input files, code and the base model."""
     digest = hashlib.sha256()
-    digest.update(json.dumps([recipe, str(layout.root), params.model_dump(
-        include={"base_model": True, "ptq": {"calib_batch_size"}, "eval": True})], sort_keys=True).encode())
-    _hash_files(digest, [params.recipe_path(recipe), layout.data / "manifest.json",
-                         *(importlib.util.find_spec(module).origin for module in PTQ_CODE)])
+    digest.update(json.dumps([extra, str(layout.root), params.model_dump(include=include)], sort_keys=True).encode())
+    _hash_files(digest, [*files, layout.data / "manifest.json",
+                         *(importlib.util.find_spec(module).origin for module in code)])
     model = resolve(params.base_model.path)
     if model.is_dir():
         digest.update(json.dumps(list_files(model)).encode())
-    return f"ptq-{recipe}-{digest.hexdigest()[:32]}"
+    return digest.hexdigest()[:32]
+
+
+def baseline_cache_key(context, arguments: dict[str, Any]) -> str:
+    """The baseline's inputs: base model, eval parameters, calibration data, code, out-root."""
+    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
+    return "baseline-" + _inputs_key(params, arguments["layout"], {"base_model": True, "eval": True}, [],
+                                     BASELINE_CODE, "baseline")
+
+
+def ptq_cache_key(context, arguments: dict[str, Any]) -> str:
+    """A PTQ recipe's inputs: its recipe file, its parameters, the calibration data, the BF16
+    reference, the base model (file listing with sizes and times, or hub id and revision), the
+    code and the out-root."""
+    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
+    layout: Layout = arguments["layout"]
+    recipe = arguments["recipe"]
+    include = {"base_model": True, "ptq": {"calib_batch_size"}, "eval": True}
+    files = [params.recipe_path(recipe), layout.reference / "manifest.json"]
+    return f"ptq-{recipe}-" + _inputs_key(params, layout, include, files, PTQ_CODE, recipe)
+
+
+def baseline_done(layout: Layout) -> bool:
+    """The baseline's outputs are on disk (else a cached result would point at nothing)."""
+    return layout.baseline_metrics.is_file() and (layout.reference / "manifest.json").is_file()
 
 
 def recipe_done(layout: Layout, recipe: str) -> bool:
@@ -84,9 +112,17 @@ def calibration(params_file: str, overrides: list[str], layout: Layout) -> float
     return run_stage_process(["calibration"], params_file, overrides, layout)
 
 
-@task(name="baseline")
-def baseline(params_file: str, overrides: list[str], layout: Layout, threads: int) -> float:
-    return run_stage_process(["baseline"], params_file, overrides, layout, threads)
+def run_heavy_stage(stage: str, params_file: str, overrides: list[str], layout: Layout,
+                    deployment: str | None) -> float:
+    """A GPU-heavy stage: a process here, or a `gpu-stage` flow run on `deployment`'s work pool."""
+    if deployment:
+        return run_on_pool(deployment, stage, {"stage": stage}, params_file, overrides, layout)
+    return run_stage_process([stage], params_file, overrides, layout)
+
+
+@task(name="baseline", cache_key_fn=baseline_cache_key, persist_result=True)
+def baseline(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
+    return run_heavy_stage("baseline", params_file, overrides, layout, deployment)
 
 
 @task(name="ptq", task_run_name="ptq-{recipe}", cache_key_fn=ptq_cache_key, persist_result=True)
@@ -94,25 +130,27 @@ def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max
         deployment: str | None = None) -> float:
     """One recipe: a stage process here, or a `ptq-recipe` flow run on `deployment`'s work pool."""
     if deployment:
-        return ptq_on_pool(recipe, deployment, params_file, overrides, layout)
+        return run_on_pool(deployment, f"ptq-{recipe}", {"recipe": recipe}, params_file, overrides, layout)
     slots = _ptq_slots.setdefault(max_parallel, threading.Semaphore(max_parallel))
     with slots:
         return run_stage_process(["ptq", recipe], params_file, overrides, layout, threads)
 
 
-def ptq_on_pool(recipe: str, deployment: str, params_file: str, overrides: list[str], layout: Layout) -> float:
+def run_on_pool(deployment: str, name: str, what: dict, params_file: str, overrides: list[str],
+                layout: Layout) -> float:
+    """Run `deployment` (ptq-recipe/gpu or gpu-stage/gpu) for one stage and wait for it."""
     from prefect.deployments import run_deployment
 
     run = run_deployment(
-        deployment, flow_run_name=f"ptq-{recipe}", poll_interval=2,
-        parameters={"recipe": recipe, "params_file": params_file, "overrides": overrides,
+        deployment, flow_run_name=name, poll_interval=2,
+        parameters={**what, "params_file": params_file, "overrides": overrides,
                     "out_root": str(layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
     )
     if not run.state or not run.state.is_completed():
         state = run.state.name if run.state else "unknown"
-        raise StageFailed(f"ptq-{recipe}: flow run {run.name!r} on {deployment} ended {state}"
+        raise StageFailed(f"{name}: flow run {run.name!r} on {deployment} ended {state}"
                           + (f": {run.state.message}" if run.state and run.state.message else ""))
-    get_run_logger().info("ptq-%s: flow run %s completed on %s", recipe, run.name, run.work_pool_name)
+    get_run_logger().info("%s: flow run %s completed on %s", name, run.name, run.work_pool_name)
     return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
 
 
@@ -122,18 +160,18 @@ def selection(params_file: str, overrides: list[str], layout: Layout) -> float:
 
 
 @task(name="qad")
-def qad(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["qad"], params_file, overrides, layout)
+def qad(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
+    return run_heavy_stage("qad", params_file, overrides, layout, deployment)
 
 
 @task(name="final_eval")
-def final_eval(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["final_eval"], params_file, overrides, layout)
+def final_eval(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
+    return run_heavy_stage("final_eval", params_file, overrides, layout, deployment)
 
 
 @task(name="export")
-def export(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["export"], params_file, overrides, layout)
+def export(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
+    return run_heavy_stage("export", params_file, overrides, layout, deployment)
 
 
 def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: dict[str, Any] | None) -> list[str]:
@@ -154,6 +192,7 @@ def qad_pipeline(
     recipes: list[str] | None = None,
     qad: dict[str, Any] | None = None,
     recipe_deployment: str | None = None,
+    stage_deployment: str | None = None,
 ) -> dict:
     """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export.
 
@@ -161,7 +200,8 @@ def qad_pipeline(
     or hub id), `recipes` (names in ptq.recipe_dir), `qad` (e.g. {"steps": 80, "lr": 5e-5}) and
     `overrides` (any `section.key=value`). `params_file` is relative to the working directory;
     `out_root` defaults to its folder. `recipe_deployment` (e.g. "ptq-recipe/gpu") runs each recipe
-    as a flow run of that deployment instead of a process here.
+    as a flow run of that deployment instead of a process here; `stage_deployment` (e.g.
+    "gpu-stage/gpu") does the same for baseline, qad, final_eval and export.
     """
     from qad_pipeline.cli import preflight
 
@@ -176,7 +216,7 @@ def qad_pipeline(
         try:
             with dvc_write_lock(layout.root, f"qad-pipeline run (Prefect flow run {_flow_run_name()}) is writing "
                                              "this project's outputs; wait for it to finish or cancel it"):
-                summary = _run_stages(params_file, overrides, params, layout, recipe_deployment)
+                summary = _run_stages(params_file, overrides, params, layout, recipe_deployment, stage_deployment)
         finally:
             if previous is None:
                 os.environ.pop(TOKEN_ENV, None)
@@ -216,18 +256,26 @@ def base_model_slot(params):
     return concurrency(name, occupy=1, strict=True)
 
 
-def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, recipe_deployment: str | None) -> dict:
+def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, recipe_deployment: str | None,
+                stage_deployment: str | None) -> dict:
+    try:  # TEMPORARY until qad_pipeline.memory lands
+        from qad_pipeline.memory import recipe_parallelism
+    except ImportError:
+        def recipe_parallelism(p):
+            return p.ptq.max_parallel if isinstance(p.ptq.max_parallel, int) else len(p.ptq.recipes)
+
     parent_run = start_tracking(layout, params)
     try:
         seconds = {"calibration": calibration(params_file, overrides, layout)}
 
         started = time.time()
-        at_once = min(params.ptq.max_parallel, len(params.ptq.recipes)) + 1  # + the baseline
+        at_once = recipe_parallelism(params)
         threads = max(1, (os.cpu_count() or 1) // at_once)
-        base = baseline.submit(params_file, overrides, layout, threads)
+        base = baseline.with_options(refresh_cache=not baseline_done(layout)).submit(
+            params_file, overrides, layout, stage_deployment)
         recipes = {
             name: ptq.with_options(refresh_cache=not recipe_done(layout, name)).submit(
-                name, params_file, overrides, layout, params.ptq.max_parallel, threads, recipe_deployment)
+                name, params_file, overrides, layout, at_once, threads, recipe_deployment, wait_for=[base])
             for name in params.ptq.recipes
         }
         wait([base, *recipes.values()])
@@ -240,17 +288,20 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, 
         cached = [name for name, fut in recipes.items() if fut.state.name == "Cached"]
         if cached:
             get_run_logger().info("PTQ taken from cache (inputs unchanged): %s", ", ".join(cached))
+        if base.state.name == "Cached":
+            get_run_logger().info("baseline taken from cache (inputs unchanged)")
 
         seconds["selection"] = selection(params_file, overrides, layout)
         chosen = read_json(layout.selection_metrics)
         summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
-                   "failed": failed, "cached": cached, "seconds": seconds, "root": str(layout.root)}
+                   "failed": failed, "cached": cached, "baseline_cached": base.state.name == "Cached",
+                   "seconds": seconds, "root": str(layout.root)}
         create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
 
         if chosen["selected"] is not None and params.selection.policy == "qad":
-            seconds["qad"] = qad(params_file, overrides, layout)
-            seconds["final_eval"] = final_eval(params_file, overrides, layout)
-            seconds["export"] = export(params_file, overrides, layout)
+            seconds["qad"] = qad(params_file, overrides, layout, stage_deployment)
+            seconds["final_eval"] = final_eval(params_file, overrides, layout, stage_deployment)
+            seconds["export"] = export(params_file, overrides, layout, stage_deployment)
             summary["qad"] = read_json(layout.qad_metrics)
             summary["export"] = read_json(layout.export_metrics)
     except StageFailed as err:

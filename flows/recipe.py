@@ -1,4 +1,5 @@
-"""The `ptq-recipe` flow: one PTQ recipe as its own flow run, deployed as `ptq-recipe/gpu`.
+"""The GPU flows: `ptq-recipe` (one PTQ recipe, deployed as `ptq-recipe/gpu`) and `gpu-stage`
+(baseline, qad, final_eval or export, deployed as `gpu-stage/gpu`), each as its own flow run.
 
 The `qad-pipeline` flow, run from a deployment with `recipe_deployment` set, starts one
 `ptq-recipe` run per recipe on that deployment's work pool and waits for all of them. Each run
@@ -6,7 +7,10 @@ takes one GPU: a process worker sees the devices its own environment lets it see
 (`CUDA_VISIBLE_DEVICES`), a Kubernetes job gets the `nvidia.com/gpu: 1` of its job template, and
 the worker's `--limit` keeps it from taking more runs than it has GPUs. The run executes the same
 `qad-pipeline stage ptq <recipe>` command as every other way of running the pipeline, in the
-project folder, writing under `out_root` (a filesystem every worker shares).
+project folder, writing under `out_root` (a filesystem every worker shares). With
+`stage_deployment` set, the parent runs its other GPU-heavy stages the same way, as `gpu-stage`
+flow runs on the GPU pool, so no model is loaded on the CPU-only control pool. The stage itself
+decides its device from `hardware.device` (`auto`: the GPU the worker gives it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from prefect import flow
 from qad_pipeline.flows.stages import run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
+
+GPU_STAGES = ("baseline", "qad", "final_eval", "export")
 
 
 @flow(name="ptq-recipe", flow_run_name="ptq-{recipe}", log_prints=True)
@@ -39,4 +45,23 @@ def ptq_recipe(
     seconds = run_stage_process(["ptq", recipe], params_file, list(overrides or []), layout,
                                 env={TOKEN_ENV: lock_token} if lock_token else None)
     return {"recipe": recipe, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@flow(name="gpu-stage", flow_run_name="{stage}", log_prints=True)
+def gpu_stage(
+    stage: str,
+    params_file: str = "params.yaml",
+    overrides: list[str] | None = None,
+    out_root: str | None = None,
+    lock_token: str | None = None,
+) -> dict:
+    """Run one of the GPU-heavy stages (baseline, qad, final_eval, export); fails when it fails."""
+    if stage not in GPU_STAGES:
+        raise ValueError(f"gpu-stage runs one of {list(GPU_STAGES)}, not {stage!r}")
+    params_file = str(Path(params_file).resolve())
+    layout = Layout(output_root(out_root, params_file))
+    seconds = run_stage_process([stage], params_file, list(overrides or []), layout,
+                                env={TOKEN_ENV: lock_token} if lock_token else None)
+    return {"stage": stage, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
             "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}

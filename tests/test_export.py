@@ -15,13 +15,15 @@ from qad_pipeline.tasks.export import (
     read_tensors,
     weight_only_logits,
 )
-from qad_pipeline.tasks.qad import load_student
+from qad_pipeline.config import load_params
+from qad_pipeline.modeling import load_model
 
 
 @pytest.fixture(scope="module")
 def exported(pipeline_run):
-    _, layout, _, _ = pipeline_run
-    student = load_student(layout.qad / "model").to(torch.bfloat16).eval()
+    _, layout, overrides, _ = pipeline_run
+    params = load_params(overrides=overrides)
+    student = load_model(params.base_model, params.hardware, folder=layout.qad / "model", dtype=torch.bfloat16)
     batch = torch.from_numpy(load_ppl_windows(layout.data)[:2])
     return {
         "layout": layout,

@@ -7,6 +7,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from qad_pipeline.config import load_params
 from qad_pipeline.tasks.calibration import build_calibration
+from qad_pipeline.tasks.evaluate import run_baseline
 from qad_pipeline.tasks.ptq import run_ptq
 from tests.conftest import TINY
 
@@ -27,7 +28,8 @@ def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
     recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
     params = load_params(overrides=TINY + [f"base_model.path={llama_dir}", "eval.tasks=[heldout_continuation]"])
     build_calibration(params, AutoTokenizer.from_pretrained(llama_dir), tmp_path / "data")
-    result = run_ptq(params, recipe, tmp_path / "data", tmp_path / "ptq")
+    run_baseline(params, tmp_path / "data", tmp_path / "baseline.json", tmp_path / "reference")
+    result = run_ptq(params, recipe, tmp_path / "data", tmp_path / "reference", tmp_path / "ptq")
     formats = result["layer_formats"]
     assert formats["lm_head.weight"] == "nvfp4"
     assert formats["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
