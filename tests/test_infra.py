@@ -46,6 +46,7 @@ MANIFESTS = [K8S / "base.yaml", *WORKERS.values()]
 DEPLOYMENT_POOLS = {
     "qad-pipeline/default": "qad-control",
     "ptq-recipe/gpu": "qad-gpu",
+    "gpu-stage/gpu": "qad-gpu",
     "watch-base-checkpoints/cron": "qad-control",
 }
 GPU = "nvidia.com/gpu"
