@@ -28,6 +28,17 @@ from qad_pipeline.runlock import TOKEN_ENV
 GPU_STAGES = ("baseline", "qad", "final_eval", "export")
 
 
+def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, out_root: str | None,
+              lock_token: str | None) -> dict:
+    """Run `qad-pipeline stage ...` on this worker; say where it ran (host, process, devices)."""
+    params_file = str(Path(params_file).resolve())
+    layout = Layout(output_root(out_root, params_file))
+    seconds = run_stage_process(stage, params_file, list(overrides or []), layout,
+                                env={TOKEN_ENV: lock_token} if lock_token else None)
+    return {"seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
 @flow(name="ptq-recipe", flow_run_name="ptq-{recipe}", log_prints=True)
 def ptq_recipe(
     recipe: str,
@@ -40,12 +51,7 @@ def ptq_recipe(
 
     `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.runlock).
     """
-    params_file = str(Path(params_file).resolve())
-    layout = Layout(output_root(out_root, params_file))
-    seconds = run_stage_process(["ptq", recipe], params_file, list(overrides or []), layout,
-                                env={TOKEN_ENV: lock_token} if lock_token else None)
-    return {"recipe": recipe, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {"recipe": recipe, **_run_here(["ptq", recipe], params_file, overrides, out_root, lock_token)}
 
 
 @flow(name="gpu-stage", flow_run_name="{stage}", log_prints=True)
@@ -59,9 +65,4 @@ def gpu_stage(
     """Run one of the GPU-heavy stages (baseline, qad, final_eval, export); fails when it fails."""
     if stage not in GPU_STAGES:
         raise ValueError(f"gpu-stage runs one of {list(GPU_STAGES)}, not {stage!r}")
-    params_file = str(Path(params_file).resolve())
-    layout = Layout(output_root(out_root, params_file))
-    seconds = run_stage_process([stage], params_file, list(overrides or []), layout,
-                                env={TOKEN_ENV: lock_token} if lock_token else None)
-    return {"stage": stage, "seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {"stage": stage, **_run_here([stage], params_file, overrides, out_root, lock_token)}

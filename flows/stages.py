@@ -14,6 +14,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from qad_pipeline.artifacts import write_json
 from qad_pipeline.layout import Layout
 
 
@@ -26,6 +27,9 @@ def run_stage_process(
     env: dict[str, str] | None = None,
 ) -> float:
     """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
+
+    Its wall time and peak resident memory (the child's own, from `wait4`) are logged and written
+    to `artifacts/logs/<stage>.usage.json`, where the memory plan's estimates can be checked.
 
     `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
     machine's cores, unless the caller's environment already sets OMP_NUM_THREADS. The child runs
@@ -45,12 +49,21 @@ def run_stage_process(
     if threads and "OMP_NUM_THREADS" not in child_env:
         child_env["OMP_NUM_THREADS"] = str(threads)
     with log_path.open("w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent,
-                              env=child_env).returncode
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
     elapsed = time.time() - started
+    peak_mb = usage.ru_maxrss / 1024
+    write_json(layout.logs / f"{name}.usage.json", {"stage": name, "seconds": elapsed, "peak_rss_mb": peak_mb,
+                                                    "exit_code": code})
     if code != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
         why = "killed (out of memory?)" if code < 0 else f"exit code {code}"
         raise StageFailed(f"{name} failed after {elapsed:.0f}s, {why}; last lines of {log_path}:\n" + "\n".join(tail))
-    logger.info("%s: done in %.1fs", name, elapsed)
+    logger.info("%s: done in %.1fs, peak memory %.0f MB", name, elapsed, peak_mb)
     return elapsed

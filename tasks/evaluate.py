@@ -81,8 +81,10 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
         cfg = project_task_config(name, task_dir, eval_dir)
         specs.append(cfg if cfg is not None else name)
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
-    device = str(next(model.parameters()).device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=device)
+    from qad_pipeline.modeling import input_device
+
+    # lm-eval takes the model where it is (a spread model's inputs go to its first device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
     out = simple_evaluate(
         model=lm, tasks=specs, limit=params.limit, log_samples=False, bootstrap_iters=0, verbosity="WARNING"
     )
