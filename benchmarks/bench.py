@@ -8,9 +8,12 @@ Prints, on the bundled demo model with the params.yaml defaults:
   * QAD steps per second and the exported checkpoint's size ratio versus BF16;
   * the time of a no-op `dvc repro` (nothing changed) in a DVC project of the pipeline;
   * the five recipes' wall time as `ptq-recipe` flow runs on two process workers versus one,
-    against a real local Prefect server (`prefect deployment run qad-pipeline/default`).
+    against a real local Prefect server (`prefect deployment run qad-pipeline/default`);
+  * `llama`: the whole DAG with params.yaml's defaults (`ptq.max_parallel: auto` included) on a
+    ~100M-parameter Llama with a 32K vocabulary built from a config (benchmarks/models.py), with
+    each stage's wall time and measured peak memory against the memory plan's estimate.
 
-`--parts flow dvc workers` picks parts (default: all).
+`--parts flow dvc workers llama` picks parts (default: all).
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ def forward_times(params, layout: Layout) -> dict[str, float]:
 
     samples = torch.from_numpy(load_calibration(layout.data))
     batch = samples[: params.ptq.calib_batch_size]
-    out = {"bf16": forward_ms(load_model(params.base_model), batch)}
+    out = {"bf16": forward_ms(load_model(params.base_model, params.hardware), batch)}
     for recipe in (params.ptq.recipes[0], params.ptq.recipes[-1]):
-        model = load_model(params.base_model)
+        model = load_model(params.base_model, params.hardware)
         quantize_model(model, params.recipe_path(recipe), samples, params.ptq.calib_batch_size)
         out[recipe] = forward_ms(model, batch)
     return out
@@ -109,9 +112,11 @@ def recipes_on_workers(root: Path, workers: int, recipes: list[str]) -> tuple[fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-root", type=Path, default=None)
-    ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers"], default=["flow", "dvc", "workers"])
+    ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers", "llama"],
+                    default=["flow", "dvc", "workers", "llama"])
     args = ap.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")  # a busy machine
     root = args.out_root or Path(tempfile.mkdtemp(prefix="qad-bench-"))
     params = load_params()
     if "flow" in args.parts:
@@ -124,6 +129,36 @@ def main() -> None:
         for workers in (1, 2):
             wall, whole = recipes_on_workers(root, workers, params.ptq.recipes)
             print(f"{workers} worker(s): recipes {wall:8.1f} s   whole run (to selection) {whole:8.1f} s")
+    if "llama" in args.parts:
+        llama_dag(root)
+
+
+def llama_dag(root: Path) -> None:
+    """The whole DAG on a ~100M Llama with the defaults; measured peaks (logs/*.usage.json) vs the plan."""
+    from qad_pipeline import memory
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from models import build_llama
+
+    model = build_llama(root / "llama-100m")
+    overrides = [f"base_model.path={model}", "selection.band=[0.01, 1.0]"]  # random weights: take any recipe
+    params = load_params(overrides=overrides)
+    estimates = {e.stage: e for e in memory.plan(params)}
+    parallel = memory.recipe_parallelism(params)
+    started = time.perf_counter()
+    summary = run_flow(root / "llama", overrides)
+    wall = time.perf_counter() - started
+    layout = Layout(root / "llama")
+    print(f"\n== whole DAG, {model.name} (params.yaml defaults, {parallel} recipes at once): {wall:.0f} s ==")
+    print(f"{'stage':<42} {'seconds':>8} {'plan MB':>9} {'peak MB':>9} {'peak/plan':>9}")
+    for usage_file in sorted(layout.logs.glob("*.usage.json")):
+        usage = read_json(usage_file)
+        key = usage["stage"].replace("ptq-", "ptq/", 1) if usage["stage"].startswith("ptq-") else usage["stage"]
+        est = estimates.get(key)
+        planned = est.host_bytes / 2**20 if est else float("nan")
+        print(f"{usage['stage']:<42} {usage['seconds']:8.1f} {planned:9.0f} {usage['peak_rss_mb']:9.0f} "
+              f"{usage['peak_rss_mb'] / planned:9.2f}")
+    print(f"failed: {summary['failed'] or 'none'}; selected: {summary['selection']['selected']}")
 
 
 def flow_figures(root: Path, params) -> None:

@@ -135,7 +135,7 @@ class QADParams(_Section):
     source: str | None = None
     checkpoint_every: int = Field(gt=0)
     seed: int = 0
-    compute_dtype: Literal["bfloat16", "float32"]
+    compute_dtype: Literal["auto", "bfloat16", "float32"]
     gradient_checkpointing: bool
     num_gpus: int = Field(ge=1)
     sharding: Literal["ddp", "fsdp"]

@@ -7,33 +7,77 @@ teacher's and the student's next-token distributions at temperature T, with the 
 simulated quantization in every forward pass (straight-through gradients to its weights).
 
 The loop, in full: batch -> teacher logits (no grad) -> student logits -> KD loss -> backward
--> clip -> AdamW step -> schedule. The student trains in float32 (a BF16 weight would swallow
-updates smaller than its 8-bit mantissa) and is saved in the base model's dtype.
+-> clip -> AdamW step -> schedule -> checkpoint. The student is saved in the base model's dtype.
+
+Precision (`qad.compute_dtype`; `auto` is bfloat16 on CUDA and float32 on the CPU, where most
+processors have no native bf16 and autocast is several times slower). The student's master
+weights and AdamW state are float32 (a BF16
+weight would swallow updates smaller than its 8-bit mantissa). With `bfloat16` the student's
+forward and backward run under `torch.autocast(dtype=bfloat16)`: matmuls in BF16 (the quantizers
+fake-quantize in float32 and hand BF16 on), gradients land in the float32 weights. `float32` runs
+everything in float32. The teacher runs in the base model's dtype either way.
+
+Memory (`qad.gradient_checkpointing`): transformers' gradient checkpointing, non-reentrant; each
+decoder block's activations are recomputed in backward. A model class that transformers cannot
+checkpoint is refused with a one-line error before training.
+
+Several processes (`qad.num_gpus > 1`). `qad-pipeline stage qad` starts itself again under
+`torchrun --standalone`, one process per GPU, so Prefect, `dvc repro` and the tests run the same
+command (`launch_processes`). Every process loads the teacher (replicated, frozen) and the
+student onto its own device and takes its own rows of each global batch (`qad.batch_size` rows,
+split evenly), so the loss curve is the single-process one up to rounding; the logged loss is the
+mean over processes. `qad.sharding` picks how the student is spread: `ddp` (torch's
+DistributedDataParallel: the student replicated, gradients all-reduced) or `fsdp` (FSDP2, torch's
+`fully_shard` on each decoder block and on the whole model: parameters, gradients and AdamW state
+sharded). With `hardware.device: cpu` (or `auto` on a machine without a GPU) the processes run on
+the CPU over gloo: that is the path the tests take (tests/test_qad_distributed.py, ddp and fsdp).
+Not tested here (no GPU): NCCL, and FSDP2 on GPUs.
+
+torch's own `DistributedDataParallel` and `fully_shard` are used rather than accelerate's
+`Accelerator`: accelerate (1.15) turns FSDP on only for GPU-class devices and silently falls back
+to DDP on CPU, so a CPU test through it would not exercise the sharded path at all.
 
 Writes `<out>/model/` (the QAD student, with its quantizer state) and `<out>/loss.json`.
-A checkpoint is kept every `qad.checkpoint_every` steps in `<checkpoints>/`; re-running after a
-crash resumes from the last complete one. A NaN or infinite loss stops training with the step
-named, keeping the last good checkpoint.
+Checkpoints (`save_checkpoint`): every `qad.checkpoint_every` steps `<checkpoints>/last/` gets the
+student's and AdamW's state through torch.distributed.checkpoint (each process writes its own
+shard to `weights/`) and `state.pt` (step, loss curve, schedule, run key), whole or not at all.
+Re-running after a crash resumes from it, with any number of processes (the checkpoint reader
+reshards), as long as the training parameters and the student are the same. A NaN or infinite
+loss stops training with the step named, keeping the last good checkpoint.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 from tqdm import tqdm
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, StageError, QADParams
-from qad_pipeline.modeling import DTYPES, load_model, load_tokenizer
+from qad_pipeline.modeling import DTYPES, input_device, load_model, load_tokenizer, resolve_device
 
 CHECKPOINT = "last"
+# Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
+# under one setting resumes under another.
+LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every"}
 
 
 class QADDiverged(StageError):
@@ -103,25 +147,186 @@ def lr_lambda(qad: QADParams):
     return factor
 
 
-def load_student(student_dir: Path):
-    """The PTQ model with its quantizers and calibrated scales, in float32 for training."""
-    import modelopt.torch.opt as mto
-    from transformers import AutoModelForCausalLM
+def compute_dtype_for(qad: QADParams, device: torch.device) -> str:
+    """`qad.compute_dtype`, with `auto` resolved: bfloat16 on CUDA, float32 on the CPU."""
+    if qad.compute_dtype != "auto":
+        return qad.compute_dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
-    mto.enable_huggingface_checkpointing()
-    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32)
-    student.config.use_cache = False
+
+def check_processes(params: Params) -> None:
+    """`qad.num_gpus` processes can run here and split every batch evenly: fail before launching."""
+    n, device = params.qad.num_gpus, resolve_device(params.hardware)
+    if params.qad.batch_size % n:
+        raise ConfigError(f"qad.batch_size = {params.qad.batch_size} does not split evenly over qad.num_gpus = {n}")
+    if device == "cuda" and torch.cuda.device_count() < n:
+        raise ConfigError(f"qad.num_gpus = {n} but this process sees {torch.cuda.device_count()} CUDA devices")
+
+
+def launch_processes(params: Params, out_root: Path) -> None:
+    """Run this process's own `qad-pipeline stage qad` command in `qad.num_gpus` processes (torchrun).
+
+    The processes pass through the output root's lock that this process holds. On CPU
+    (`hardware.device: cpu`, or `auto` without a GPU) they are CPU processes over gloo, one thread
+    each unless OMP_NUM_THREADS says otherwise (torchrun's default).
+    """
+    from qad_pipeline.runlock import LOCK_NAME, TOKEN_ENV
+
+    check_processes(params)
+    command = sys.argv[1:]
+    if command[:2] != ["stage", "qad"]:
+        raise ConfigError("qad.num_gpus > 1 runs from the `qad-pipeline stage qad` command, which starts itself "
+                          f"under torchrun; this process runs {command[:2]}")
+    n = params.qad.num_gpus
+    holder = json.loads((Path(out_root) / LOCK_NAME).read_text())  # `qad-pipeline stage` holds it for this run
+    env = {**os.environ, TOKEN_ENV: holder["token"]}
+    print(f"qad: {n} processes ({params.qad.sharding}) under torchrun", flush=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    proc = subprocess.Popen([*torchrun, "-m", "qad_pipeline", *command], env=env,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))  # in torchrun, before exec
+    try:
+        code = proc.wait()
+    except BaseException:
+        proc.terminate()  # torchrun passes it on to its processes
+        proc.wait()
+        raise
+    if code != 0:
+        raise StageError(f"qad: the {n} torchrun processes failed (exit code {code}); the failing one's error is above")
+
+
+def die_with_parent(sig: int) -> None:
+    """Linux: this process gets `sig` when its parent dies, so a killed stage leaves no QAD process behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+
+
+@dataclass(frozen=True)
+class World:
+    """The QAD processes: this one's rank among `size` (a world of one without torchrun)."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = torch.device("cpu")  # where its collectives run: its GPU (NCCL) or the CPU (gloo)
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This process's share of a global batch."""
+        per = len(batch) // self.size
+        return batch[self.rank * per : (self.rank + 1) * per]
+
+    def mean(self, value: float) -> float:
+        """The mean of `value` over the processes, the same on every one."""
+        if self.size == 1:
+            return value
+        total = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.item() / self.size
+
+    def from_rank0(self, obj):
+        """Rank 0's `obj` (a picklable value), on every process."""
+        if self.size > 1:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0)
+            obj = box[0]
+        return obj
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def join_world(params: Params) -> World:
+    """A world of one, or this process's place among the torchrun processes (process group joined)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size != params.qad.num_gpus:
+        raise ConfigError(f"qad.num_gpus = {params.qad.num_gpus} but this process is one of {size} (WORLD_SIZE)")
+    if size == 1:
+        return World()
+    check_processes(params)
+    die_with_parent(signal.SIGKILL)  # torchrun's agent stops its processes, unless it is killed itself
+    if resolve_device(params.hardware) == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # load_model places each process's models on its current device
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return World(dist.get_rank(), size, device)
+
+
+def enable_gradient_checkpointing(student) -> None:
+    if not student.supports_gradient_checkpointing:
+        raise ConfigError(f"qad.gradient_checkpointing: transformers cannot checkpoint {type(student).__name__}; "
+                          "set it to false")
+    student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def spread(student, world: World, sharding: str):
+    """With several processes: DDP (replicated) or FSDP2 (each decoder block a shard unit)."""
+    if world.size == 1:
+        return student
+    device = input_device(student)
+    if sharding == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world.size,))
+    blocks = set(student._no_split_modules or [])  # transformers' own decoder-block classes
+    for module in student.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(student, mesh=mesh)  # embeddings, final norm, LM head
     return student
 
 
-def save_checkpoint(folder: Path, student, optimizer, scheduler, step: int, losses: list[dict], run_key: str) -> None:
-    """Everything needed to resume, written whole or not at all."""
-    with staged_dir(folder) as tmp:
-        torch.save(
-            {"model": student.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(), "step": step, "losses": losses, "run_key": run_key},
-            tmp / "state.pt",
-        )
+def save_checkpoint(folder: Path, world: World, student, optimizer, scheduler, step: int, losses: list[dict],
+                    run_key: str) -> None:
+    """Everything needed to resume, written whole or not at all; each process writes its own shard."""
+    model_state, optimizer_state = get_state_dict(student, optimizer)
+    with staged_dir(folder) if world.rank == 0 else nullcontext() as tmp:
+        tmp = world.from_rank0(tmp)  # every process writes into rank 0's staging folder
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / "weights")
+        if world.rank == 0:
+            torch.save({"scheduler": scheduler.state_dict(), "step": step, "losses": losses, "run_key": run_key,
+                        "world_size": world.size}, tmp / "state.pt")
+        world.barrier()  # every shard is written before rank 0 moves the folder into place
+
+
+def resume(folder: Path, world: World, student, optimizer, scheduler, run_key: str) -> tuple[int, list[dict]]:
+    """(step, loss curve) of the checkpoint in `folder`, loaded into the student, AdamW and schedule."""
+    if not (folder / "state.pt").is_file():
+        return 0, []
+    state = torch.load(folder / "state.pt", weights_only=False)
+    if state.get("run_key") != run_key:
+        if world.rank == 0:
+            print(f"qad: ignoring the checkpoint in {folder}: it was made with other parameters or another student")
+        return 0, []
+    model_state, optimizer_state = get_state_dict(student, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder / "weights")
+    set_state_dict(student, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    scheduler.load_state_dict(state["scheduler"])
+    if world.rank == 0:
+        print(f"qad: resuming from the checkpoint at step {state['step']} ({folder}; written by "
+              f"{state['world_size']} process(es))", flush=True)
+    return state["step"], state["losses"]
+
+
+def trained_student(student, world: World, params: Params, student_dir: Path):
+    """On rank 0 the trained student as one plain model in the base model's dtype; None elsewhere."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(student, FSDPModule):  # gather the shards into a fresh copy of the student on rank 0
+        full = get_model_state_dict(student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if world.rank != 0:
+            return None
+        student = load_model(params.base_model, params.hardware.model_copy(update={"device": "cpu"}),
+                             folder=student_dir, dtype=torch.float32)
+        student.load_state_dict(full)
+    if world.rank != 0:
+        return None
+    return getattr(student, "module", student).to(DTYPES[params.base_model.dtype]).eval()  # DDP wraps it
 
 
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path) -> dict:
@@ -131,49 +336,51 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
 
     qad = params.qad
     check_student_matches_teacher(student_dir, params)
+    world = join_world(params)
     torch.manual_seed(qad.seed)
     random.seed(qad.seed)
     tokenizer = load_tokenizer(params.base_model)
     windows = training_windows(params, tokenizer, data_dir)
 
-    teacher = load_model(params.base_model, params.hardware).requires_grad_(False).eval()
-    student = load_student(student_dir).train()
+    # Several processes: each holds its whole teacher and (before sharding) student on its own device.
+    hardware = params.hardware if world.size == 1 else params.hardware.model_copy(update={"device_map": "single"})
+    teacher = load_model(params.base_model, hardware).requires_grad_(False).eval()
+    student = load_model(params.base_model, hardware, folder=student_dir, dtype=torch.float32).train()
+    if qad.gradient_checkpointing:
+        enable_gradient_checkpointing(student)
+    teacher_device, student_device = input_device(teacher), input_device(student)
+    student = spread(student, world, qad.sharding)
     optimizer = torch.optim.AdamW(
         [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(qad))
     kd_loss = LogitsDistillationLoss(temperature=qad.temperature, reduction="none")  # per token
+    compute_dtype = compute_dtype_for(qad, student_device)
+    autocast = torch.autocast(student_device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
 
-    # A checkpoint resumes only the run that made it: same parameters, same student files.
+    # A checkpoint resumes only the run that made it: same training parameters, same student files.
     student_files = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(student_dir.iterdir())]
-    run_key = fingerprint([json.dumps(params.model_dump(include={"base_model", "qad"}), sort_keys=True),
-                           str(student_dir), *student_files])
-    start, losses = 0, []
+    run_key = fingerprint([json.dumps(params.model_dump(include={"base_model", "qad"}, exclude={"qad": LAYOUT_KEYS}),
+                                      sort_keys=True), str(student_dir), *student_files])
     last = checkpoint_dir / CHECKPOINT
-    if (last / "state.pt").is_file():
-        state = torch.load(last / "state.pt", weights_only=False)
-        if state.get("run_key") != run_key:
-            print(f"qad: ignoring the checkpoint in {last}: it was made with other parameters or another student")
-        else:
-            student.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            start, losses = state["step"], state["losses"]
-            print(f"qad: resuming from the checkpoint at step {start} ({last})", flush=True)
+    start, losses = resume(last, world, student, optimizer, scheduler, run_key)
 
     stream = batches(windows, qad.batch_size, qad.seed, skip=start * qad.grad_accum)
     started = time.time()
-    bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step")
+    bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step",
+               disable=world.rank != 0)
     for step in bar:
         total = 0.0
         for _ in range(qad.grad_accum):
-            batch = next(stream)
+            batch = world.rows(next(stream))  # this process's rows of the global batch
             with torch.no_grad():
-                teacher_logits = teacher(input_ids=batch).logits.float()
-            student_logits = student(input_ids=batch).logits.float()
-            loss = kd_loss(student_logits, teacher_logits).mean() / qad.grad_accum
+                teacher_logits = teacher(input_ids=batch.to(teacher_device)).logits.float()
+            with autocast:
+                student_logits = student(input_ids=batch.to(student_device)).logits.float()
+            loss = kd_loss(student_logits, teacher_logits.to(student_logits.device)).mean() / qad.grad_accum
             loss.backward()
             total += loss.item()
+        total = world.mean(total)  # the global batch's loss
         if not math.isfinite(total):
             saved = f"the last good checkpoint is {last}" if (last / "state.pt").is_file() else "no checkpoint yet"
             raise QADDiverged(
@@ -187,23 +394,34 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         losses.append({"step": step + 1, "loss": total, "lr": scheduler.get_last_lr()[0]})
         bar.set_postfix(loss=f"{total:.5f}")
         if (step + 1) % qad.checkpoint_every == 0 and step + 1 < qad.steps:
-            save_checkpoint(last, student, optimizer, scheduler, step + 1, losses, run_key)
+            save_checkpoint(last, world, student, optimizer, scheduler, step + 1, losses, run_key)
     seconds = time.time() - started
 
-    student = student.to(DTYPES[params.base_model.dtype]).eval()
+    tokens_per_step = qad.batch_size * qad.grad_accum * qad.seq_len
     result = {
         "steps": qad.steps,
         "resumed_from": start,
         "final_loss": losses[-1]["loss"],
         "first_loss": losses[0]["loss"],
         "steps_per_second": (qad.steps - start) / seconds if seconds > 0 else None,
-        "tokens_per_step": qad.batch_size * qad.grad_accum * qad.seq_len,
+        "tokens_per_step": tokens_per_step,
+        "tokens_per_second": (qad.steps - start) * tokens_per_step / seconds if seconds > 0 else None,
         "seconds": seconds,
+        "world_size": world.size,
+        "sharding": qad.sharding if world.size > 1 else None,
+        "compute_dtype": compute_dtype,
+        "gradient_checkpointing": qad.gradient_checkpointing,
+        "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if student_device.type == "cuda" else None,
     }
-    from qad_pipeline.tasks.ptq import save_quantized
+    final = trained_student(student, world, params, student_dir)
+    if world.rank == 0:
+        from qad_pipeline.tasks.ptq import save_quantized
 
-    with staged_dir(out_dir) as tmp:
-        save_quantized(student, tokenizer, tmp / "model")
-        write_json(tmp / "loss.json", {"losses": losses, **result})
-    shutil.rmtree(checkpoint_dir, ignore_errors=True)  # done: the next run starts afresh
+        with staged_dir(out_dir) as tmp:
+            save_quantized(final, tokenizer, tmp / "model")
+            write_json(tmp / "loss.json", {"losses": losses, **result})
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # done: the next run starts afresh
+    world.barrier()
+    if world.size > 1:
+        dist.destroy_process_group()
     return result
