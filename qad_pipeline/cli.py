@@ -3,6 +3,7 @@
     qad-pipeline run                                   # the demo model, params.yaml defaults
     qad-pipeline run --base-model org/model --set calibration.num_samples=1000
     qad-pipeline stage ptq nvfp4_max-mamba_fp8-kv_fp8  # one stage, as `dvc repro` runs it
+    qad-pipeline plan --set qad.seq_len=32768          # each stage's peak memory, before any weights load
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def resolve_params(params_file: Path, overrides: list[str] | None, base_model: s
 def preflight(params: Params, out_root: Path) -> None:
     """Every check that needs no model weights: recipes, base model, sequence lengths, tasks, MLflow."""
     from qad_pipeline import tracking
+    from qad_pipeline.memory import check_fits, plan
     from qad_pipeline.modeling import check_base_model
     from qad_pipeline.tasks.evaluate import check_tasks
 
@@ -75,6 +77,7 @@ def preflight(params: Params, out_root: Path) -> None:
          "qad.seq_len": params.qad.seq_len},
     )
     check_tasks(params.eval)
+    check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
 
 
 def _fail(err: Exception) -> None:
@@ -255,14 +258,19 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
         typer.echo(run_selection(params, layout).reason)
     elif name is Stage.qad:
         from qad_pipeline.artifacts import read_json, write_json
-        from qad_pipeline.tasks.qad import run_qad
+        from qad_pipeline.tasks.qad import launch_processes, run_qad
 
         selected = read_json(layout.selection_metrics)["selected"]
         if selected is None:
             raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
+        if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+            launch_processes(params, layout.root)  # torchrun runs this same command in qad.num_gpus processes
+            return
         result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
-        write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
-        typer.echo(f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}")
+        if int(os.environ.get("RANK", "0")) == 0:  # the only process, or the first of the torchrun ones
+            write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
+            typer.echo(f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}"
+                       + (f" ({result['world_size']} processes)" if result["world_size"] > 1 else ""))
     elif name is Stage.final_eval:
         from qad_pipeline.tasks.final_eval import run_final_eval
 
@@ -277,3 +285,29 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
 
 def main() -> None:  # pragma: no cover
     sys.exit(app())
+
+
+@app.command("plan")
+def plan_command(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON list of stage objects")] = False,
+) -> None:
+    """Print each stage's estimated peak host and GPU memory, reading no weights; exit 2 if one cannot fit."""
+    import json
+
+    from qad_pipeline import memory
+
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        check_recipes(params)
+        cap = memory.capacity(params.hardware)
+        estimates = memory.plan(params, cap)
+    except ConfigError as err:
+        _fail(err)
+    typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json else memory.table(estimates, cap))
+    try:
+        memory.check_fits(estimates)
+    except ConfigError as err:
+        _fail(err)

@@ -1,0 +1,116 @@
+"""The memory plan against measured peaks: `python benchmarks/memory_bench.py [--work DIR] [--models demo llama]`.
+
+For the bundled demo model and a ~100M-parameter Llama built from a config (benchmarks/models.py,
+random weights), runs every stage process one after another (`qad-pipeline stage ...`, as the
+flow does) and prints, per stage, the memory plan's host estimate, the measured peak resident
+memory of the process (its ru_maxrss, from wait4) and their ratio. The goal is 0.7-1.3.
+
+Both models run on the CPU with two recipes (a dynamic one and a static four-over-six one) and
+settings small enough for a few minutes per stage that still exercise vocabulary x token memory.
+`--work DIR` keeps the outputs (default: a temporary folder) and the measured peaks
+(`<work>/<model>/peaks.json`); `--reuse` prints the table from those peaks with the current
+formula instead of running the stages again; `--stages` runs some stages only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+RECIPES = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
+COMMON = [f"ptq.recipes=[{', '.join(RECIPES)}]", "hardware.device=cpu", "selection.band=[0.01, 100]",
+          "eval.num_cloze=48", "eval.num_continuation=24", "eval.limit=16", "qad.steps=2", "qad.warmup_steps=1",
+          "qad.checkpoint_every=100"]
+MODELS = {
+    # params.yaml's defaults otherwise: eval 32 x 256, calibration 32 x 256 (8 a batch), QAD 8 x 256
+    # in float32 (compute_dtype auto on the CPU); the Llama's QAD runs under bfloat16 autocast
+    "demo": [],
+    "llama": ["calibration.num_samples=16", "calibration.seq_len=256", "ptq.calib_batch_size=16",
+              "eval.seq_len=256", "eval.batch_size=8", "eval.ppl_samples=16", "qad.batch_size=4",
+              "qad.seq_len=256", "qad.compute_dtype=bfloat16"],
+}
+STAGES = ["calibration", "baseline", *(f"ptq/{r}" for r in RECIPES), "selection", "qad", "final_eval", "export"]
+
+
+# Linux carries a process's peak RSS across exec, so a child forked from this (large) process
+# would report at least this process's RSS: a small launcher starts the stage and reports its
+# ru_maxrss (KiB) from wait4.
+LAUNCHER = """
+import os, subprocess, sys
+with open(sys.argv[1], "w") as log:
+    proc = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT)
+    _, status, usage = os.wait4(proc.pid, 0)
+print(usage.ru_maxrss)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def measure(stage: str, overrides: list[str], root: Path) -> tuple[float, float]:
+    """(peak RSS in MiB, seconds) of one `qad-pipeline stage` process."""
+    cmd = [sys.executable, "-m", "qad_pipeline", "stage", *stage.split("/"), "--params", str(ROOT / "params.yaml"),
+           "--out-root", str(root)]
+    for item in overrides:
+        cmd += ["--set", item]
+    log = root / "logs" / f"{stage.replace('/', '-')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, str(log), *cmd], capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text().strip().splitlines()[-5:])
+        raise RuntimeError(f"stage {stage} failed (log {log}):\n{tail}")
+    return int(done.stdout.split()[-1]) / 1024, time.time() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=None, help="keep the outputs here")
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
+    ap.add_argument("--reuse", action="store_true", help="the peaks measured before in --work")
+    args = ap.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="memory-bench-"))
+
+    from models import DEMO_MODEL, build_llama
+
+    from qad_pipeline import memory
+    from qad_pipeline.config import load_params
+
+    rows = []
+    for name in args.models:
+        path = DEMO_MODEL if name == "demo" else build_llama(work / "llama-model")
+        overrides = [f"base_model.path={path}", *COMMON, *MODELS[name]]
+        params = load_params(ROOT / "params.yaml", overrides)
+        cap = memory.Capacity("cpu", 1 << 50)  # the estimates themselves, whatever this machine has free
+        estimates = {e.stage: e for e in memory.plan(params, cap)}
+        shape = memory.model_shape(params.base_model)
+        print(f"{name}: {shape.params / 1e6:.1f}M parameters, vocabulary {shape.vocab}", flush=True)
+        saved = work / name / "peaks.json"
+        peaks = json.loads(saved.read_text()) if saved.is_file() else {}
+        for stage in args.stages:
+            if not (args.reuse and stage in peaks):
+                peaks[stage] = measure(stage, overrides, work / name)
+                saved.write_text(json.dumps(peaks, indent=2))
+            measured, seconds = peaks[stage]
+            est = estimates[stage]
+            rows.append((name, stage, est.phase, est.host_bytes / memory.MiB, measured, seconds))
+            print(f"  {stage:38s} estimated {rows[-1][3]:7.0f} MiB  measured {measured:7.0f} MiB  "
+                  f"ratio {rows[-1][3] / measured:.2f}  ({seconds:.0f} s)", flush=True)
+
+    print(f"\n{'model':6s} | {'stage':36s} | {'peak phase':12s} | {'estimated host MiB':>18s} | "
+          f"{'measured peak MiB':>17s} | ratio")
+    for model, stage, phase, est, measured, _ in rows:
+        flag = "" if 0.7 <= est / measured <= 1.3 else "  outside ±30 %"
+        print(f"{model:6s} | {stage:36s} | {phase:12s} | {est:18.0f} | {measured:17.0f} | {est / measured:.2f}{flag}")
+    print(f"\noutputs and logs: {work}")
+
+
+if __name__ == "__main__":
+    main()
