@@ -258,11 +258,7 @@ def base_model_slot(params):
 
 def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, recipe_deployment: str | None,
                 stage_deployment: str | None) -> dict:
-    try:  # TEMPORARY until qad_pipeline.memory lands
-        from qad_pipeline.memory import recipe_parallelism
-    except ImportError:
-        def recipe_parallelism(p):
-            return p.ptq.max_parallel if isinstance(p.ptq.max_parallel, int) else len(p.ptq.recipes)
+    from qad_pipeline.memory import recipe_parallelism
 
     parent_run = start_tracking(layout, params)
     try:
