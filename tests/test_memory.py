@@ -72,8 +72,9 @@ def test_estimate_grows_with_the_model_and_shrinks_with_the_memory_knobs(config_
         assert memory.estimate(stage, p, BIG, wider).host_bytes > base, stage
     qad = memory.estimate("qad", p, BIG).host_bytes
     assert host("qad", config_only_model, "qad.seq_len=1024", "qad.gradient_checkpointing=true") < qad
-    assert host("qad", config_only_model, "qad.seq_len=1024", "qad.compute_dtype=float32") > host(
-        "qad", config_only_model, "qad.seq_len=1024", "qad.compute_dtype=bfloat16")
+    # activations (training's peak at a long sequence) are held in the compute dtype
+    assert host("qad", config_only_model, "qad.seq_len=4096", "qad.compute_dtype=float32") > host(
+        "qad", config_only_model, "qad.seq_len=4096", "qad.compute_dtype=bfloat16")
     # static NVFP4 block scales (four-over-six) keep more state than max calibration
     assert host(PTQ, config_only_model) > host("ptq/nvfp4_max-mamba_fp8-kv_fp8", config_only_model)
 
