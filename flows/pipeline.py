@@ -209,7 +209,8 @@ def qad_pipeline(
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)  # a bad value fails here, before any model loads
     layout = Layout(output_root(out_root, params_file))
-    preflight(params, layout.root)
+    # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
+    preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment))
     logger = get_run_logger()
     with base_model_slot(params), run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
         previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token  # the stage processes pass it on
