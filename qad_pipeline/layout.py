@@ -35,6 +35,16 @@ class Layout:
     def ptq(self, recipe: str) -> Path:
         return self.root / "artifacts" / "ptq" / recipe
 
+    def items(self, stage: str, recipe: str | None = None) -> Path:
+        """A scored model's per-item values (for the recovery's confidence interval)."""
+        folder = {"baseline": self.baseline, "ptq": self.ptq(recipe) if recipe else None,
+                  "final_eval": self.final_eval}[stage]
+        return folder / "items.json"
+
+    @property
+    def final_eval(self) -> Path:
+        return self.root / "artifacts" / "final_eval"
+
     @property
     def qad(self) -> Path:
         return self.root / "artifacts" / "qad"
@@ -92,7 +102,7 @@ class Layout:
             "ptq": [self.ptq(recipe)] if recipe else [],
             "selection": [self.selection_metrics, self.metrics / "ptq", self.recovery_table],
             "qad": [self.qad, self.qad_loss],
-            "final_eval": [self.qad_metrics],
+            "final_eval": [self.qad_metrics, self.final_eval],
             "export": [self.export_metrics],
         }[stage]
 

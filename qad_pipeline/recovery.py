@@ -39,3 +39,92 @@ def median_recovery(per_task: dict[str, float]) -> float:
     if not per_task:
         raise ValueError("median recovery of no tasks")
     return statistics.median(per_task.values())
+
+
+# -- confidence intervals: a seeded paired bootstrap over items ---------------------------------
+#
+# Each scored model records, per task, its items' own values (`items`): lm-eval's per-sample
+# metric, or each held-out window's mean log-likelihood for perplexity, with how they aggregate
+# into the task's score ("mean", or "perplexity" = exp(-mean)). The baseline and a quantized
+# model score the same items, so one resample of item indices is applied to both (paired): the
+# interval reflects which items were drawn, not differences that the pairing cancels.
+
+BOOTSTRAP_ITERS = 2000
+BOOTSTRAP_SEED = 0
+LEVEL = 0.95
+
+
+def _aggregate(values, aggregation: str):
+    import numpy as np
+
+    mean = values.mean(axis=-1)
+    return np.exp(-mean) if aggregation == "perplexity" else mean
+
+
+def item_aggregation(values: list[float], score: float) -> str | None:
+    """How per-item `values` make the task's `score` ("mean" or "perplexity"); None if neither."""
+    import numpy as np
+
+    if not values:
+        return None
+    v = np.asarray(values, dtype=np.float64)
+    for name in ("mean", "perplexity"):
+        if np.isclose(_aggregate(v, name), score, rtol=1e-6, atol=1e-9):
+            return name
+    return None
+
+
+def recovery_intervals(
+    quantized_items: dict[str, dict], baseline_items: dict[str, dict], baseline: dict[str, dict],
+    per_task: dict[str, float], iters: int = BOOTSTRAP_ITERS, seed: int = BOOTSTRAP_SEED, level: float = LEVEL,
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Per-task recovery intervals and the median recovery's, `level` two-sided percentiles.
+
+    `*_items` map task -> {"aggregation", "values"}; `per_task` is `recoveries(...)`. A task
+    without paired items (another aggregation, or items missing) stays at its point recovery in
+    every resample, so it narrows nothing it cannot vouch for: its own interval is its point.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    draws, task_ci = [], {}
+    for task, point in per_task.items():
+        q, b = quantized_items.get(task), baseline_items.get(task)
+        paired = (q and b and q.get("aggregation") and q["aggregation"] == b.get("aggregation")
+                  and len(q["values"]) == len(b["values"]) > 1 and q.get("ids") == b.get("ids"))
+        if not paired:
+            draws.append(np.full(iters, point))
+            task_ci[task] = [point, point]
+            continue
+        qv, bv = np.asarray(q["values"], np.float64), np.asarray(b["values"], np.float64)
+        idx = rng.integers(0, len(qv), size=(iters, len(qv)))
+        qs, bs = _aggregate(qv[idx], q["aggregation"]), _aggregate(bv[idx], b["aggregation"])
+        higher = baseline[task]["higher_is_better"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = qs / bs if higher else bs / qs
+        ratio = np.nan_to_num(ratio, nan=point, posinf=point)
+        draws.append(ratio)
+        task_ci[task] = _percentiles(ratio, level)
+    medians = np.median(np.stack(draws, axis=1), axis=1)
+    return task_ci, _percentiles(medians, level)
+
+
+def _percentiles(samples, level: float) -> list[float]:
+    import numpy as np
+
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(samples, [tail, 100 - tail])
+    return [float(low), float(high)]
+
+
+def score_recovery(scores: dict, items: dict | None, baseline: dict, baseline_items: dict | None) -> dict:
+    """`scores` (a scored model's tasks) with each task's recovery and interval, and the median's."""
+    per_task = recoveries(scores["tasks"], baseline["tasks"])
+    task_ci, median_ci = recovery_intervals(items or {}, baseline_items or {}, baseline["tasks"], per_task)
+    tasks = {name: dict(score) for name, score in scores["tasks"].items()}
+    for task, value in per_task.items():
+        tasks[task].update(recovery=value, recovery_ci=task_ci[task])
+    return {**scores, "tasks": tasks, "median_recovery": median_recovery(per_task),
+            "median_recovery_ci": median_ci,
+            "recovery_interval": f"{int(LEVEL * 100)} % paired bootstrap over eval items, "
+                                 f"{BOOTSTRAP_ITERS} resamples, seed {BOOTSTRAP_SEED}"}

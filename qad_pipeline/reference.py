@@ -185,17 +185,24 @@ def score_windows(
     model, windows: torch.Tensor, batch_size: int, reference: Reference | None = None,
     writer: ReferenceWriter | None = None,
 ) -> dict:
-    """Perplexity over the windows, and KL_k to `reference` (or the reference written to `writer`)."""
+    """Perplexity over the windows, and KL_k to `reference` (or the reference written to `writer`).
+
+    Also each window's negative log-likelihood summed over its positions (`window_nll`), the
+    items that the recovery's confidence interval resamples.
+    """
     nll, count, kl = 0.0, 0, 0.0
+    window_nll = torch.zeros(len(windows), dtype=torch.float64)
     for i, s, e, lp in logprob_chunks(model, windows, batch_size):
         targets = windows[i : i + lp.shape[0], s + 1 : e + 1].to(lp.device)
-        nll -= lp.gather(-1, targets.unsqueeze(-1)).sum().item()
+        picked = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().sum(-1).cpu()
+        window_nll[i : i + lp.shape[0]] += picked
+        nll += picked.sum().item()
         count += targets.numel()
         if writer is not None:
             writer.write(i, s, e, lp)
         if reference is not None:
             kl += reference.kl_sum(i, s, e, lp)
-    out = {"perplexity": math.exp(nll / count)}
+    out = {"perplexity": math.exp(nll / count), "window_nll": window_nll.tolist()}
     if reference is not None:
         out["kl_divergence"] = kl / count
     return out

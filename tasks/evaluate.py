@@ -86,12 +86,34 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
     # lm-eval takes the model where it is (a spread model's inputs go to its first device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
     out = simple_evaluate(
-        model=lm, tasks=specs, limit=params.limit, log_samples=False, bootstrap_iters=0, verbosity="WARNING"
+        model=lm, tasks=specs, limit=params.limit, log_samples=True, bootstrap_iters=0, verbosity="WARNING"
     )
-    return {
-        name: primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}), metric_orders[name])
-        for name in params.tasks
-    }
+    scores = {}
+    for name in params.tasks:
+        scores[name] = primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}),
+                                     metric_orders[name])
+        scores[name]["items"] = task_items(out["samples"].get(name, []), scores[name]["metric"],
+                                           scores[name]["value"])
+    return scores
+
+
+def task_items(samples: list[dict], metric: str, score: float) -> dict | None:
+    """The task's per-item values of `metric` (lm-eval's logged samples, by doc id), with how they
+    aggregate into `score`; None when they do not (a corpus-level metric such as BLEU)."""
+    from qad_pipeline.recovery import item_aggregation
+
+    by_filter: dict[str, list] = {}
+    for sample in samples:
+        value = sample.get(metric)
+        if isinstance(value, (int, float)):
+            by_filter.setdefault(sample.get("filter", "none"), []).append((sample["doc_id"], float(value)))
+    for pairs in by_filter.values():
+        pairs.sort()
+        values = [v for _, v in pairs]
+        aggregation = item_aggregation(values, score)
+        if aggregation:
+            return {"aggregation": aggregation, "ids": [d for d, _ in pairs], "values": values}
+    return None
 
 
 def evaluate_model(
@@ -101,7 +123,8 @@ def evaluate_model(
     """Scores of one model: lm-eval tasks + perplexity (+ KL to the BF16 reference in `reference`).
 
     `write_reference` (the baseline only) is where this model's own top-k reference is written, in
-    the same pass over the held-out windows (`qad_pipeline.reference`).
+    the same pass over the held-out windows (`qad_pipeline.reference`). `items` holds each task's
+    per-item values (for the recovery's confidence interval); callers store it apart from the scores.
     """
     from qad_pipeline.reference import Reference, ReferenceWriter, score_windows, windows_fingerprint
 
@@ -120,8 +143,14 @@ def evaluate_model(
                                 "windows_fingerprint": windows_fingerprint(windows),
                                 "vocab_size": model.config.vocab_size})
     tasks = lm_eval_scores(model, tokenizer, params, Path(data_dir) / "eval")
-    tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False}
-    result = {"tasks": tasks}
+    positions = windows.shape[1] - 1
+    tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False,
+                           "items": {"aggregation": "perplexity", "ids": list(range(len(windows))),
+                                     "values": [-n / positions for n in streamed["window_nll"]]}}
+    items = {task: score.pop("items") for task, score in tasks.items() if score.get("items")}
+    for score in tasks.values():
+        score.pop("items", None)
+    result = {"tasks": tasks, "items": items}
     if ref is not None:
         result["kl_divergence"] = streamed["kl_divergence"]
         result["kl_estimator"] = (f"exact over the top {ref.manifest['k']} tokens + "
@@ -140,6 +169,7 @@ def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_d
     model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
     with staged_dir(reference_dir) as tmp:
         scores = evaluate_model(model, tokenizer, params.eval, data_dir, write_reference=tmp)
+    write_json(Path(reference_dir).parent / "items.json", scores.pop("items"))
     sizes = size_report(model)
     metrics = {
         "model": checkpoint_identity(params.base_model),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.recovery import median_recovery, recoveries
+from qad_pipeline.recovery import score_recovery
 
 
 def comparison_table(baseline: dict, ptq: dict, qad: dict, recipe: str) -> list[dict]:
@@ -41,16 +41,17 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
     ptq = read_json(layout.ptq_metrics(recipe))
     student = load_model(params.base_model, params.hardware, folder=layout.qad / "model", dtype=torch.bfloat16)
     scores = evaluate_model(student, load_tokenizer(params.base_model), params.eval, layout.data, layout.reference)
-    per_task = recoveries(scores["tasks"], baseline["tasks"])
-    for task, value in per_task.items():
-        scores["tasks"][task]["recovery"] = value
+    items = scores.pop("items")
+    baseline_items = read_json(layout.items("baseline")) if layout.items("baseline").is_file() else None
+    scored = score_recovery(scores, items, baseline, baseline_items)
+    write_json(layout.items("final_eval"), items)
     training = read_json(layout.qad / "loss.json")
     metrics = {
         "recipe": recipe,
-        **scores,
-        "median_recovery": median_recovery(per_task),
+        **scored,
         "ptq_median_recovery": ptq["median_recovery"],
-        "qad_beats_ptq": median_recovery(per_task) > ptq["median_recovery"],
+        "ptq_median_recovery_ci": ptq.get("median_recovery_ci"),
+        "qad_beats_ptq": scored["median_recovery"] > ptq["median_recovery"],
         "steps": training["steps"],
         "final_loss": training["final_loss"],
         "first_loss": training["first_loss"],

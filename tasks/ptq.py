@@ -7,7 +7,13 @@ baseline stage wrote once (the BF16 model never runs over the eval windows here)
 
     <out>/checkpoint/   the fake-quantized model, saved with its quantizers and calibrated
                         scales (Model Optimizer's Hugging Face checkpointing), for QAD
-    <out>/scores.json   status, per-task scores, KL, effective bits per element, size
+    <out>/scores.json   status, per-task scores, KL, effective bits per element, size, each
+                        quantized weight's reconstruction error (`weight_errors`)
+    <out>/items.json    per-item eval values, for the recovery's confidence interval
+
+A recipe that resolves to the same quantizers as an earlier one in `ptq.recipes` on this model
+(`recipe_aliases`, checked on the meta device before any weight loads) is not run again: its
+scores.json says `"status": "alias"` and names the recipe it repeats.
 
 Each recipe runs in its own process (the flow starts one per recipe), so a recipe that crashes
 or runs out of memory takes only itself down.
@@ -23,7 +29,7 @@ import torch
 from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.config import Params
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-from qad_pipeline.sizes import kv_cache_format, size_report
+from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration
 from qad_pipeline.tasks.evaluate import evaluate_model
 
@@ -36,6 +42,44 @@ def load_quantize_config(recipe_path: Path):
     if quantize is None:
         raise ValueError(f"{recipe_path} is not a PTQ recipe (no 'quantize' section)")
     return quantize
+
+
+def quantizer_signature(params: Params, recipe: str) -> str:
+    """What `recipe` does to this base model, as a hash: its calibration algorithm and every
+    quantizer's resolved settings, with Model Optimizer's quantizers inserted into the model built
+    on the meta device (no weight is read, nothing is calibrated). Two recipes with the same
+    signature produce the same model: on a model without Mamba layers, recipes that differ only
+    in their Mamba format do."""
+    import hashlib
+    import json
+
+    from modelopt.torch.opt.conversion import apply_mode
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    from transformers import AutoModelForCausalLM
+
+    from qad_pipeline.modeling import load_config
+
+    config = load_quantize_config(params.recipe_path(recipe)).model_dump()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(params.base_model),
+                                                 trust_remote_code=params.base_model.trust_remote_code)
+    apply_mode(model, mode=[("quantize", config)])
+    quantizers = {name: repr(m) for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
+    blob = json.dumps([config.get("algorithm"), quantizers], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def recipe_aliases(params: Params) -> dict[str, str]:
+    """{recipe: the earlier recipe in ptq.recipes it is the same as on this model}, aliases only."""
+    first: dict[str, str] = {}
+    aliases = {}
+    for recipe in params.ptq.recipes:
+        signature = quantizer_signature(params, recipe)
+        if signature in first:
+            aliases[recipe] = first[signature]
+        else:
+            first[signature] = recipe
+    return aliases
 
 
 def calibration_loop(samples: torch.Tensor, batch_size: int):
@@ -56,6 +100,59 @@ def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: 
     return mtq.quantize(model, load_quantize_config(recipe_path), calibration_loop(samples, batch_size))
 
 
+def weight_errors(model, worst: int = 5) -> dict:
+    """Each quantized weight's relative reconstruction error ||Q(W) - W|| / ||W|| (Frobenius).
+
+    Q is the layer's own calibrated weight quantizer (Model Optimizer's `iter_weights_for_calibration`
+    pairs: one per linear layer, one per expert of fused MoE weights). Returns the median and
+    mean over layers, every layer's error and the `worst` layers.
+    """
+    import statistics
+
+    layers = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not hasattr(module, "iter_weights_for_calibration"):
+                continue
+            pairs = [(w, q) for w, q in module.iter_weights_for_calibration() if q is not None and q.is_enabled]
+            for index, (weight, quantizer) in enumerate(pairs):
+                w = weight.float().contiguous()
+                error = (torch.linalg.vector_norm(quantizer(w) - w) / torch.linalg.vector_norm(w).clamp_min(1e-30))
+                layers[f"{name}[{index}]" if len(pairs) > 1 else name] = float(error)
+    if not layers:
+        return {"median": None, "mean": None, "layers": {}, "worst": []}
+    ranked = sorted(layers.items(), key=lambda kv: -kv[1])[:worst]
+    return {"median": statistics.median(layers.values()), "mean": statistics.fmean(layers.values()),
+            "layers": layers, "worst": [{"layer": n, "error": e} for n, e in ranked]}
+
+
+def recipe_settings(model, recipe_path: Path) -> dict:
+    """The recipe's choices as they landed on this model, for side-by-side comparison:
+    calibration algorithm, weight-scale method, the Mamba projections' format, the KV cache's."""
+    algorithm = load_quantize_config(recipe_path).model_dump().get("algorithm")
+    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    four_over_six = any(
+        isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
+        for m in model.modules() if hasattr(m, "iter_weights_for_calibration")
+        for _, q in m.iter_weights_for_calibration() if q is not None and q.is_enabled
+    )
+    mamba_formats = set()
+    for m in model.modules():
+        if "Mamba" not in type(m).__name__:
+            continue
+        for proj in (getattr(m, "in_proj", None), getattr(m, "out_proj", None)):
+            if proj is not None and hasattr(proj, "weight_quantizer"):
+                weights = quantizer_format(proj.weight_quantizer, proj.weight.dtype)
+                acts = quantizer_format(getattr(proj, "input_quantizer", None), torch.bfloat16)
+                mamba_formats.add(f"{weights.name} W{weights.bits}A{acts.bits}")
+    return {
+        "algorithm": str(method),
+        "weight_scale": "four_over_six" if four_over_six else str(method),
+        "mamba_format": "+".join(sorted(mamba_formats)) or "none (no Mamba layers)",
+        "kv_cache": kv_cache_format(model),
+    }
+
+
 def save_quantized(model, tokenizer, folder: Path) -> None:
     """Save with quantizer state so `load_model` + Model Optimizer restore it without recalibrating."""
     import modelopt.torch.opt as mto
@@ -71,6 +168,13 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
 
     started = time.time()
     Reference(reference_dir)  # fail before loading anything when the baseline has not run
+    canonical = recipe_aliases(params).get(recipe)
+    if canonical is not None:  # the same model as an earlier recipe: run once, report as its alias
+        result = {"recipe": recipe, "status": "alias", "alias_of": canonical, "started_at": started,
+                  "finished_at": time.time()}
+        with staged_dir(out_dir) as tmp:
+            write_json(tmp / "scores.json", result)
+        return result
     model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
 
     samples = torch.from_numpy(load_calibration(data_dir))
@@ -78,9 +182,11 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     quantize_model(model, params.recipe_path(recipe), samples, params.ptq.calib_batch_size)
     quantize_s = time.time() - t0
     sizes = size_report(model)
+    weight_error = weight_errors(model)
 
     t0 = time.time()
     scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir)
+    items = scores.pop("items")
     eval_s = time.time() - t0
     result = {
         "recipe": recipe,
@@ -92,6 +198,8 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         "kv_cache": kv_cache_format(model),
         "elements_by_format": sizes["elements_by_format"],
         "layer_formats": sizes["layer_formats"],
+        "weight_error": weight_error,
+        "settings": recipe_settings(model, params.recipe_path(recipe)),
         "timing_s": {"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
         "started_at": started,
         "finished_at": time.time(),
@@ -101,6 +209,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     with staged_dir(out_dir) as tmp:
         save_quantized(model, tokenizer, tmp / "checkpoint")
         write_json(tmp / "scores.json", result)
+        write_json(tmp / "items.json", items)
     return result
 
 

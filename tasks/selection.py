@@ -2,26 +2,32 @@
 
 The policy of the documents, as a pure function (`select_recipe`):
 
-* `qad` (QAD follows): take the most compressed recipe (lowest effective bits per element)
-  whose median recovery lies in the target band, default 95-99 %. A small measurable drop shows
-  the compression was pushed far enough; QAD then closes the gap. If no recipe is in the band but
-  some are above it, take the most compressed of those (compression could go further; QAD has
-  little to win). If every recipe is below the band, none qualifies.
-* `ptq_final` (PTQ is the last step): the most compressed recipe with median recovery >= 99 %.
+* `qad` (QAD follows): among the recipes whose median recovery is at or above the band's lower
+  end (default 95 %), take the most compressed (lowest effective bits per element, then the
+  smaller KV cache). A small measurable drop shows the compression was pushed far enough; QAD
+  then closes the gap. A pick above the band's upper end (99 %) is reported: compression could
+  go further. If every recipe is below the floor, none qualifies.
+* `ptq_final` (PTQ is the last step): the same with the floor at `ptq_final_min` (99 %).
 
-Ties on bits per element go to the smaller KV cache, then to higher recovery, then to the name.
+Compression decides among eligible recipes, so a recipe with at least the bits and KV cache of
+another and less recovery is never chosen; among equally compressed ones the higher recovery
+wins. Each recovery carries a confidence interval (a seeded paired bootstrap over eval items,
+`qad_pipeline.recovery`): a recovery difference inside the intervals is a tie, and the reason
+says so when it names the runner-up and why it lost. Recipes that resolve to the same quantizers
+on this model (`"alias"` rows) are shown with the recipe they repeat and are never candidates.
 When nothing qualifies `selected` is null and the reason says why; later stages stop there.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import Params, SelectionParams
 from qad_pipeline.layout import Layout
-from qad_pipeline.recovery import median_recovery, recoveries
+from qad_pipeline.recovery import score_recovery
+from qad_pipeline.tasks.ptq import recipe_aliases
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 
@@ -29,11 +35,16 @@ KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 @dataclass(frozen=True)
 class RecipeRow:
     name: str
-    status: str  # "ok" or "failed"
+    status: str  # "ok", "failed" or "alias"
     median_recovery: float | None = None
     effective_bpe: float | None = None
     kv_cache: str = "none"
     error: str | None = None
+    median_recovery_ci: tuple[float, float] | None = None
+    alias_of: str | None = None
+    kl_divergence: float | None = None
+    weight_error_median: float | None = None
+    settings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -43,99 +54,157 @@ class Selection:
     band: tuple[float, float]
     reason: str
     table: list[dict]
+    runner_up: str | None = None
+    could_compress_further: bool = False
 
 
-def _compression_order(row: RecipeRow) -> tuple:
-    return (row.effective_bpe, KV_BITS.get(row.kv_cache, 16), -row.median_recovery, row.name)
+def compression(row: RecipeRow) -> tuple[float, float]:
+    """(effective bits per element, KV-cache bits): lower is more compressed."""
+    return (row.effective_bpe, KV_BITS.get(row.kv_cache, 16))
+
+
+def dominated(row: RecipeRow, others: list[RecipeRow]) -> bool:
+    """Another recipe is at least as compressed in both bits and KV cache, and recovers more."""
+    return any(compression(o)[0] <= compression(row)[0] and compression(o)[1] <= compression(row)[1]
+               and o.median_recovery > row.median_recovery for o in others if o.name != row.name)
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:.2f} %"
 
 
+def _with_ci(row: RecipeRow) -> str:
+    if row.median_recovery_ci is None:
+        return _pct(row.median_recovery)
+    low, high = row.median_recovery_ci
+    return f"{_pct(row.median_recovery)} [{100 * low:.2f}-{100 * high:.2f}]"
+
+
+def _tied(a: RecipeRow, b: RecipeRow) -> bool:
+    """The recoveries differ by less than the intervals say the eval can tell apart."""
+    if a.median_recovery_ci is None or b.median_recovery_ci is None:
+        return a.median_recovery == b.median_recovery
+    return a.median_recovery_ci[0] <= b.median_recovery_ci[1] and b.median_recovery_ci[0] <= a.median_recovery_ci[1]
+
+
+def _describe(row: RecipeRow) -> str:
+    return (f"{row.name} ({row.effective_bpe:.3f} bits per element, KV cache {row.kv_cache}, "
+            f"median recovery {_with_ci(row)})")
+
+
+def _why_lost(best: RecipeRow, other: RecipeRow, floor: float) -> str:
+    if other.median_recovery < floor:
+        return f"below the floor of {_pct(floor)}"
+    more = "more bits" if other.effective_bpe > best.effective_bpe else "a larger KV cache"
+    if compression(other) == compression(best):
+        return "equally compressed and lower recovery"
+    if other.median_recovery <= best.median_recovery:
+        return f"{more} and no more recovery"
+    if _tied(best, other):
+        return f"{more}; its higher recovery is within the confidence intervals (a tie, broken toward compression)"
+    return f"{more}; it recovers more, but at or above the floor compression decides"
+
+
 def select_recipe(rows: list[RecipeRow], params: SelectionParams) -> Selection:
     """Choose a recipe from the PTQ results by the configured policy, and say why."""
     low, high = params.band
+    floor = params.ptq_final_min if params.policy == "ptq_final" else low
+    target = "the PTQ-final target" if params.policy == "ptq_final" else "the QAD band's floor"
     ok = [r for r in rows if r.status == "ok"]
-    failed = [r.name for r in rows if r.status != "ok"]
-    note = f" Failed recipes left out: {', '.join(failed)}." if failed else ""
-    table = [asdict(r) for r in sorted(rows, key=lambda r: (r.status != "ok", r.name))]
-
-    def pick(candidates: list[RecipeRow], why: str) -> Selection:
-        best = min(candidates, key=_compression_order)
-        reason = (
-            f"{best.name}: {why}; it is the most compressed of them at {best.effective_bpe:.3f} "
-            f"bits per element (KV cache {best.kv_cache}), median recovery {_pct(best.median_recovery)}."
-        )
-        return Selection(best.name, params.policy, params.band, reason + note, table)
-
-    def none(why: str) -> Selection:
-        return Selection(None, params.policy, params.band, why + note, table)
+    failed = [r.name for r in rows if r.status == "failed"]
+    aliases = [r for r in rows if r.status == "alias"]
+    notes = ""
+    if aliases:
+        notes += " Same quantizers on this model, run once: " + ", ".join(
+            f"{a.name} = {a.alias_of}" for a in aliases) + "."
+    if failed:
+        notes += f" Failed recipes left out: {', '.join(failed)}."
+    table = [asdict(r) for r in sorted(rows, key=lambda r: ({"ok": 0, "alias": 1}.get(r.status, 2), r.name))]
 
     if not ok:
-        return none("No recipe qualifies: every recipe failed.")
-    if params.policy == "ptq_final":
-        floor = params.ptq_final_min
-        above = [r for r in ok if r.median_recovery >= floor]
-        if above:
-            return pick(above, f"{len(above)} recipe(s) reach the PTQ-final target of {_pct(floor)}")
+        return Selection(None, params.policy, params.band, "No recipe qualifies: every recipe failed." + notes, table)
+    eligible = [r for r in ok if r.median_recovery >= floor]
+    if not eligible:
         best = max(ok, key=lambda r: r.median_recovery)
-        return none(
-            f"No recipe qualifies: none reaches the PTQ-final target of {_pct(floor)} "
-            f"(best: {best.name} at {_pct(best.median_recovery)}). Run QAD (policy qad) or use a "
-            "less aggressive recipe."
-        )
-    in_band = [r for r in ok if low <= r.median_recovery <= high]
-    if in_band:
-        return pick(in_band, f"{len(in_band)} recipe(s) lie in the QAD target band {_pct(low)}-{_pct(high)}")
-    above = [r for r in ok if r.median_recovery > high]
-    if above:
-        return pick(
-            above,
-            f"no recipe lies in the band {_pct(low)}-{_pct(high)} and {len(above)} lie above it "
-            "(compression could be pushed further)",
-        )
-    best = max(ok, key=lambda r: r.median_recovery)
-    return none(
-        f"No recipe qualifies: every recipe is below the QAD band's floor of {_pct(low)} "
-        f"(best: {best.name} at {_pct(best.median_recovery)}); QAD is not started. Lower "
-        "selection.band or add a less aggressive recipe."
-    )
+        near = (" Its interval reaches the floor: a larger eval may tell."
+                if best.median_recovery_ci and best.median_recovery_ci[1] >= floor else "")
+        advice = ("Run QAD (policy qad) or use a less aggressive recipe." if params.policy == "ptq_final" else
+                  "QAD is not started. Lower selection.band or add a less aggressive recipe.")
+        return Selection(None, params.policy, params.band,
+                         f"No recipe qualifies: every recipe is below {target} of {_pct(floor)} "
+                         f"(best: {best.name} at {_with_ci(best)}).{near} {advice}" + notes, table, best.name)
+
+    ranked = sorted(eligible, key=lambda r: (*compression(r), -r.median_recovery, r.name))
+    best = ranked[0]
+    others = ranked[1:] or sorted((r for r in ok if r not in eligible), key=lambda r: -r.median_recovery)
+    reason = (f"{best.name}: the most compressed of the {len(eligible)} recipe(s) at or above {target} of "
+              f"{_pct(floor)}: {_describe(best)}.")
+    further = params.policy == "qad" and best.median_recovery > high
+    if further:
+        reason += (f" It is above the band's upper end of {_pct(high)}: compression could go further "
+                   "(a more aggressive recipe).")
+    if best.median_recovery_ci and best.median_recovery_ci[0] < floor:
+        reason += " Borderline: its interval reaches below the floor."
+    runner_up = others[0] if others else None
+    if runner_up is not None:
+        reason += f" Runner-up: {_describe(runner_up)}, lost: {_why_lost(best, runner_up, floor)}."
+    return Selection(best.name, params.policy, params.band, reason + notes, table,
+                     runner_up.name if runner_up else None, further)
 
 
-def recipe_metrics(name: str, scores_path: Path, baseline: dict) -> dict:
-    """metrics/ptq/<name>.json: the PTQ stage's scores plus recovery versus the BF16 baseline."""
+def recipe_metrics(name: str, folder: Path, baseline: dict, baseline_items: dict | None) -> dict:
+    """metrics/ptq/<name>.json: the PTQ stage's scores plus recovery (and its interval) versus BF16."""
+    scores_path = folder / "scores.json"
     if not scores_path.is_file():
         return {"recipe": name, "status": "failed", "error": f"no scores: {scores_path} (the PTQ run failed)"}
     scores = read_json(scores_path)
+    if scores.get("status") == "alias":
+        return {"recipe": name, "status": "alias", "alias_of": scores["alias_of"]}
     if scores.get("status") != "ok":
         return {"recipe": name, "status": "failed", "error": scores.get("error")}
-    per_task = recoveries(scores["tasks"], baseline["tasks"])
-    for task, value in per_task.items():
-        scores["tasks"][task]["recovery"] = value
-    return {**scores, "median_recovery": median_recovery(per_task)}
+    items = read_json(folder / "items.json") if (folder / "items.json").is_file() else None
+    return score_recovery(scores, items, baseline, baseline_items)
 
 
-def row(metrics: dict) -> RecipeRow:
+def row(metrics: dict, earlier: dict[str, RecipeRow]) -> RecipeRow:
+    """The table row of one recipe's metrics; an alias shows the figures of the recipe it repeats."""
+    if metrics["status"] == "alias":
+        canonical = earlier.get(metrics["alias_of"])
+        figures = asdict(canonical) if canonical is not None else {}
+        figures.update(name=metrics["recipe"], status="alias", alias_of=metrics["alias_of"], error=None)
+        return RecipeRow(**figures)
     if metrics["status"] != "ok":
         return RecipeRow(metrics["recipe"], "failed", error=metrics.get("error"))
+    ci = metrics.get("median_recovery_ci")
     return RecipeRow(
-        metrics["recipe"], "ok", metrics["median_recovery"], metrics["effective_bpe"], metrics["kv_cache"]
+        metrics["recipe"], "ok", metrics["median_recovery"], metrics["effective_bpe"], metrics["kv_cache"],
+        median_recovery_ci=tuple(ci) if ci else None, kl_divergence=metrics.get("kl_divergence"),
+        weight_error_median=(metrics.get("weight_error") or {}).get("median"),
+        settings={**metrics.get("settings", {}), "effective_bpe": metrics["effective_bpe"]},
     )
 
 
 def run_selection(params: Params, layout: Layout) -> Selection:
     """Stage core: recovery per recipe (metrics/ptq/*.json), then the choice (metrics/selection.json)."""
     baseline = read_json(layout.baseline_metrics)
-    rows = []
+    items = layout.items("baseline")
+    baseline_items = read_json(items) if items.is_file() else None
+    aliases = recipe_aliases(params)  # re-checked: a recipe file may have changed since its PTQ run
+    rows: dict[str, RecipeRow] = {}
     for name in params.ptq.recipes:
-        metrics = recipe_metrics(name, layout.ptq(name) / "scores.json", baseline)
+        metrics = recipe_metrics(name, layout.ptq(name), baseline, baseline_items)
+        if metrics["status"] == "alias" and aliases.get(name) != metrics["alias_of"]:
+            metrics = {"recipe": name, "status": "failed",
+                       "error": f"recorded as the same as {metrics['alias_of']}, which it no longer is; "
+                                f"re-run its PTQ (dvc repro -f ptq@{name})"}
         write_json(layout.ptq_metrics(name), metrics)
-        rows.append(row(metrics))
-    selection = select_recipe(rows, params.selection)
+        rows[name] = row(metrics, rows)
+    selection = select_recipe(list(rows.values()), params.selection)
     write_json(layout.recovery_table, [
-        {"recipe": r.name, "effective_bpe": r.effective_bpe, "median_recovery": r.median_recovery}
-        for r in rows if r.status == "ok"
+        {"recipe": r.name, "effective_bpe": r.effective_bpe, "median_recovery": r.median_recovery,
+         "ci_low": r.median_recovery_ci[0] if r.median_recovery_ci else None,
+         "ci_high": r.median_recovery_ci[1] if r.median_recovery_ci else None}
+        for r in rows.values() if r.status == "ok"
     ])
     write_json(layout.selection_metrics, asdict(selection))
     return selection
