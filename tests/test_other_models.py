@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from qad_pipeline.config import load_params
 from qad_pipeline.tasks.calibration import build_calibration
 from qad_pipeline.tasks.evaluate import run_baseline
-from qad_pipeline.tasks.ptq import run_ptq
+from qad_pipeline.tasks.ptq import recipe_aliases, run_ptq
 from tests.conftest import TINY
 
 
@@ -37,4 +37,21 @@ def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
     assert formats["model.embed_tokens.weight"] == "bf16"
     assert result["kv_cache"] == "nvfp4"
     assert result["kl_divergence"] > 0
+    # every quantized weight's reconstruction error: NVFP4 on Gaussian weights loses ~10 % of the norm
+    errors = result["weight_error"]
+    assert set(errors["layers"]) >= {"lm_head", "model.layers.0.mlp.up_proj"}
+    assert "model.layers.0.self_attn.q_proj" not in errors["layers"]  # BF16: nothing to report
+    assert 0.02 < errors["median"] < 0.3
+    worst = [w["error"] for w in errors["worst"]]
+    assert len(worst) == 5 and worst == sorted(worst, reverse=True) and worst[0] == max(errors["layers"].values())
+    assert result["settings"] == {"algorithm": "mse", "weight_scale": "four_over_six",
+                                  "mamba_format": "none (no Mamba layers)", "kv_cache": "nvfp4"}
+    assert (tmp_path / "ptq" / "items.json").is_file()
+
+    # no Mamba layers: the two Mamba variants of four-over-six + FP8 KV are one model, run once
+    assert recipe_aliases(params) == {"nvfp4_4o6-mamba_w4a16-kv_fp8": "nvfp4_4o6-mamba_fp8-kv_fp8"}
+    alias = run_ptq(params, "nvfp4_4o6-mamba_w4a16-kv_fp8", tmp_path / "data", tmp_path / "reference",
+                    tmp_path / "alias")
+    assert alias["status"] == "alias" and alias["alias_of"] == "nvfp4_4o6-mamba_fp8-kv_fp8"
+    assert sorted(p.name for p in (tmp_path / "alias").iterdir()) == ["scores.json"]
     shutil.rmtree(tmp_path / "ptq")
