@@ -39,6 +39,7 @@ such cases on a GPU machine.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 import warnings
@@ -327,11 +328,14 @@ def _route_dynamic_block_op(tensor_quant: types.ModuleType) -> None:
         tensor_quant.dynamic_block_quantize_op = cpu_impl
         return
     library = torch.library.Library("tensorrt", "IMPL")
+    # modelopt registered its own CPU kernel; torch versions whose `impl` refuses to replace a
+    # kernel by default (allow_override=False, e.g. 2.11 on GPU machines) need it said explicitly
+    override = {"allow_override": True} if "allow_override" in inspect.signature(library.impl).parameters else {}
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message=r"(?s).*Overriding a previously registered kernel"
         )
-        library.impl("dynamic_block_quantize_op", cpu_impl, "CPU")
+        library.impl("dynamic_block_quantize_op", cpu_impl, "CPU", **override)
     _state["library"] = library
 
 
