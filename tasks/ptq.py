@@ -44,6 +44,25 @@ def load_quantize_config(recipe_path: Path):
     return quantize
 
 
+def tied_embeddings(model) -> bool:
+    """The output embedding (`lm_head`) is the input embedding's own tensor (`tie_word_embeddings`)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def quantize_config(model, recipe_path: Path) -> dict:
+    """The recipe's Model Optimizer config for this model.
+
+    A tied `lm_head` stays tied, in the embedding's dtype: it is the embedding table, which no
+    serving engine reads in NVFP4, and quantizing it alone unties it in the export (an NVFP4
+    `lm_head` beside a BF16 embedding: both stored, more bytes than the one tied BF16 tensor).
+    """
+    config = load_quantize_config(recipe_path).model_dump()
+    if tied_embeddings(model):
+        config["quant_cfg"] = [*config["quant_cfg"], {"quantizer_name": "*lm_head*", "enable": False}]
+    return config
+
+
 def quantizer_signature(params: Params, recipe: str) -> str:
     """What `recipe` does to this base model, as a hash: its calibration algorithm and every
     quantizer's resolved settings, with Model Optimizer's quantizers inserted into the model built
@@ -59,26 +78,35 @@ def quantizer_signature(params: Params, recipe: str) -> str:
 
     from qad_pipeline.modeling import load_config
 
-    config = load_quantize_config(params.recipe_path(recipe)).model_dump()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(params.base_model),
                                                  trust_remote_code=params.base_model.trust_remote_code)
+    config = quantize_config(model, params.recipe_path(recipe))
     apply_mode(model, mode=[("quantize", config)])
     quantizers = {name: repr(m) for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
     blob = json.dumps([config.get("algorithm"), quantizers], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def recipe_aliases(params: Params) -> dict[str, str]:
-    """{recipe: the earlier recipe in ptq.recipes it is the same as on this model}, aliases only."""
+def recipe_aliases(params: Params, upto: str | None = None) -> dict[str, str]:
+    """{recipe: the earlier recipe in ptq.recipes it is the same as on this model}, aliases only.
+
+    `upto` stops after that recipe (its own PTQ run needs only the recipes before it). A recipe
+    Model Optimizer cannot apply is nobody's alias: its own PTQ run reports the error.
+    """
     first: dict[str, str] = {}
     aliases = {}
     for recipe in params.ptq.recipes:
-        signature = quantizer_signature(params, recipe)
-        if signature in first:
+        try:
+            signature = quantizer_signature(params, recipe)
+        except Exception:  # noqa: BLE001  (a broken recipe fails in its own run, with its own message)
+            signature = None
+        if signature is not None and signature in first:
             aliases[recipe] = first[signature]
-        else:
+        elif signature is not None:
             first[signature] = recipe
+        if recipe == upto:
+            break
     return aliases
 
 
@@ -97,7 +125,7 @@ def calibration_loop(samples: torch.Tensor, batch_size: int):
 def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: int):
     import modelopt.torch.quantization as mtq
 
-    return mtq.quantize(model, load_quantize_config(recipe_path), calibration_loop(samples, batch_size))
+    return mtq.quantize(model, quantize_config(model, recipe_path), calibration_loop(samples, batch_size))
 
 
 def weight_errors(model, worst: int = 5) -> dict:
@@ -168,7 +196,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
 
     started = time.time()
     Reference(reference_dir)  # fail before loading anything when the baseline has not run
-    canonical = recipe_aliases(params).get(recipe)
+    canonical = recipe_aliases(params, upto=recipe).get(recipe)
     if canonical is not None:  # the same model as an earlier recipe: run once, report as its alias
         result = {"recipe": recipe, "status": "alias", "alias_of": canonical, "started_at": started,
                   "finished_at": time.time()}

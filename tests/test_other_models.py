@@ -55,3 +55,44 @@ def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
     assert alias["status"] == "alias" and alias["alias_of"] == "nvfp4_4o6-mamba_fp8-kv_fp8"
     assert sorted(p.name for p in (tmp_path / "alias").iterdir()) == ["scores.json"]
     shutil.rmtree(tmp_path / "ptq")
+
+
+def test_tied_embeddings_stay_tied_through_ptq_qad_and_export(demo_model_path, tmp_path):
+    """A model whose lm_head is its input embedding (`tie_word_embeddings`): the lm_head stays the
+    BF16 embedding, and PTQ -> QAD -> export -> reload agree on formats and size."""
+    import torch
+
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.tasks.export import read_tensors, run_export
+    from qad_pipeline.tasks.qad import run_qad
+
+    folder = tmp_path / "tied"
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_model_path).save_pretrained(folder)
+    recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
+    params = load_params(overrides=TINY + [f"base_model.path={folder}", "eval.tasks=[heldout_continuation]",
+                                           f"ptq.recipes=[{recipe}]"])
+    layout = Layout(tmp_path / "run")
+    build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
+    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
+    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
+    assert result["layer_formats"]["model.embed_tokens.weight"] == "bf16"
+    assert "lm_head.weight" not in result["layer_formats"]  # one tensor: the tied embedding
+    assert result["layer_formats"]["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
+    assert "lm_head" not in result["weight_error"]["layers"]
+
+    (layout.metrics).mkdir(parents=True, exist_ok=True)
+    (layout.selection_metrics).write_text(f'{{"selected": "{recipe}"}}')
+    run_qad(params, layout.ptq(recipe) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+    export = run_export(params, layout)
+    assert export["passed"], export["checks"]
+    assert export["checks"]["size"]["passed"] and export["checks"]["reload"]["passed"]
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(layout.export).tie_word_embeddings
+    tensors = read_tensors(layout.export)  # one tied tensor, in BF16: what vLLM ties back on load
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in tensors
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8  # packed NVFP4
