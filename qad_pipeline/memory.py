@@ -31,7 +31,8 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       R the longest request: LM_EVAL_PROJECT_TOKENS for the project's tasks, else
                       LM_EVAL_FOREIGN_TOKENS (lm-eval's default), capped by the model's maximum
     calibrate         PTQ's forward loop: B_c·T_c·V·d logits + the forward + fake_quant;
-    mse_search        static recipes' per-block scale search: Nmax·4·MSE_COPIES
+    mse_search        static recipes' per-block scale search: Nmax·4·MSE_COPIES, or
+                      Nmax·4·MSE_SWEEP_COPIES when it also sweeps the FP8 scale (fp8_scale_sweep)
     qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (the last three
                       divided by qad.num_gpus with fsdp; ddp adds ddp_buckets N·4) + the
                       fake-quantized weights saved for backward Nw·a + activations
@@ -83,6 +84,7 @@ LM_EVAL_FOREIGN_TOKENS = 2048     # lm-eval's default maximum length
 KD_LOGIT_COPIES = 8               # float32 [tokens, vocab] blocks through the KD loss and its backward
 FAKE_QUANT_COPIES = {"static": 2, "dynamic": 1}  # the CPU emulation's float32 temporaries (CUDA: 1)
 MSE_COPIES = 6
+MSE_SWEEP_COPIES = 22             # fitted: nvfp4_mse (fp8_scale_sweep) on the 100M Llama peaked at 2,957 MiB
 LOGIT_CHUNK_TOKENS = 2048         # = qad_pipeline.reference.LOGIT_CHUNK_TOKENS (that module imports torch)
 # CUDA, not measured: a process's context and workspaces per GPU, the host side of the CUDA
 # runtime, and transformers' default checkpoint shard (each is copied to the host while saving).
@@ -246,6 +248,12 @@ def static_block_scales(recipe_path: Path) -> bool:
     return (algorithm.get("method") if isinstance(algorithm, dict) else algorithm) not in (None, "max")
 
 
+def scale_sweep(recipe_path: Path) -> bool:
+    """The recipe's MSE search also sweeps the FP8 per-block scale (`fp8_scale_sweep: true`)."""
+    algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
+    return isinstance(algorithm, dict) and bool(algorithm.get("fp8_scale_sweep"))
+
+
 def _any_static(params: Params) -> bool:
     """Whether the selected recipe (unknown before selection) may be a static one."""
     return any(static_block_scales(params.recipe_path(r)) for r in params.ptq.recipes)
@@ -315,7 +323,8 @@ def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> l
     phases = [Phase("calibrate", "ptq.calib_batch_size", resident, {
         "calib_logits": tokens * shape.vocab * d, **_forward(tokens, shape, d), **_fake_quant(shape, device, static)})]
     if static:
-        phases.append(Phase("mse_search", None, resident, {"mse_search": shape.largest_matrix * 4 * MSE_COPIES}))
+        copies = MSE_SWEEP_COPIES if scale_sweep(params.recipe_path(recipe)) else MSE_COPIES
+        phases.append(Phase("mse_search", None, resident, {"mse_search": shape.largest_matrix * 4 * copies}))
     return [*phases, *eval_phases(params, shape, device, resident, static),
             Phase("save", None, resident, host=_save_copy(params, shape, device))]
 
