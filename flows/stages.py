@@ -22,13 +22,41 @@ class StageFailed(RuntimeError):
     pass
 
 
+def _high_water_kb(pid: int) -> int | None:
+    """The process's own peak resident memory since its exec (VmHWM; None where /proc has none)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def wait_with_peak(pid: int) -> tuple[int, int]:
+    """Wait for child `pid`; (its wait status, its peak RSS in KiB).
+
+    The peak is the child's own memory: its VmHWM, read while it runs. `wait4`'s ru_maxrss would
+    also count the parent's pages that the child held between fork and exec, so a stage started
+    from a 700 MB flow process could never read below 700 MB; it is the fallback without /proc.
+    """
+    peak, delay = 0, 0.05
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return status, peak or usage.ru_maxrss
+        peak = max(peak, _high_water_kb(pid) or 0)
+        time.sleep(delay)
+        delay = min(0.5, delay * 2)
+
+
 def run_stage_process(
     stage: list[str], params_file: str, overrides: list[str], layout: Layout, threads: int | None = None,
     env: dict[str, str] | None = None,
 ) -> float:
     """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
 
-    Its wall time and peak resident memory (the child's own, from `wait4`) are logged and written
+    Its wall time and peak resident memory (the child's own, `wait_with_peak`) are logged and written
     to `artifacts/logs/<stage>.usage.json`, where the memory plan's estimates can be checked.
 
     `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
@@ -51,14 +79,14 @@ def run_stage_process(
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)  # this child's own resource usage
+            status, peak_kb = wait_with_peak(proc.pid)
         except BaseException:
             proc.kill()
             proc.wait()
             raise
         proc.returncode = code = os.waitstatus_to_exitcode(status)
     elapsed = time.time() - started
-    peak_mb = usage.ru_maxrss / 1024
+    peak_mb = peak_kb / 1024
     write_json(layout.logs / f"{name}.usage.json", {"stage": name, "seconds": elapsed, "peak_rss_mb": peak_mb,
                                                     "exit_code": code})
     if code != 0:

@@ -169,3 +169,21 @@ def test_run_refuses_a_setting_that_cannot_fit_before_anything_starts(config_onl
     assert result.exit_code == 2
     assert "qad.batch_size=256 at qad.seq_len 256 needs" in result.output and "the largest that fits is" in result.output
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_stage_peak_is_its_own_not_its_parents():
+    """wait_with_peak reads the child's own high-water mark: a 600 MB parent does not show in it."""
+    import subprocess
+    import sys
+
+    from qad_pipeline.flows.stages import wait_with_peak
+
+    parent = bytearray(600 * 2**20)  # resident: every page written
+    parent[::4096] = b"x" * len(parent[::4096])
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time; b = bytearray(300 * 2**20); b[::4096] = b'y' * len(b[::4096]); time.sleep(1.5)"])
+    status, peak_kb = wait_with_peak(child.pid)
+    child.returncode = 0
+    assert status == 0
+    assert 300 <= peak_kb / 1024 < 450, peak_kb / 1024
+    del parent
