@@ -942,9 +942,10 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
                        {REASON_FILE: sel.texts[REASON_FILE]})
         metrics.update(headline_metrics(children, tags.get("qad.selected")))
+        tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
         if "selection" in by_stage and layout.baseline_metrics.is_file():
             summary = read_summary(layout, params.ptq.recipes)
-            tags[NOTE] = run_description(summary, reason_file=REASON_FILE)
+            tags[NOTE] += "\n" + run_description(summary, reason_file=REASON_FILE, max_chars=MAX_TAG_VALUE - 500)
             client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
         if report:
             client.log_text(run_id, redact_text(report), "report.txt")
@@ -1149,8 +1150,9 @@ def compare_table(uri: str, experiment: str, run_id: str | None = None) -> list[
     """Rows read back from MLflow for one pipeline run (the latest, or `run_id`, parent or child).
 
     One row each for bf16, every recipe (in the configured order; the chosen one has
-    `selected: True`) and qad: per-task recovery (`recovery.<task>`), `median_recovery`,
-    `effective_bpe`, `size_bytes`, `status` ("ok", "failed", ...), `error`, `run_id`.
+    `selected: True`) and qad: per-task recovery (`recovery.<task>`), `median_recovery` and its
+    interval (`median_recovery_ci_low/high`), `kl_divergence`, `effective_bpe`, `size_bytes`,
+    `status` ("ok", "failed", "alias of <recipe>", ...), `error`, `run_id`.
     """
     client = client_for(uri)
     if run_id is None:
@@ -1178,7 +1180,10 @@ def compare_table(uri: str, experiment: str, run_id: str | None = None) -> list[
         alias_of = run.data.tags.get("alias_of")
         out = {"name": name, "status": f"alias of {alias_of}" if alias_of else _status(run), "selected": False,
                **{f"recovery.{t}": m.get(f"recovery.{t}") for t in tasks},
-               "median_recovery": m.get("median_recovery"), "effective_bpe": m.get("effective_bpe"),
+               "median_recovery": m.get("median_recovery"),
+               "median_recovery_ci_low": m.get("median_recovery_ci_low"),
+               "median_recovery_ci_high": m.get("median_recovery_ci_high"),
+               "kl_divergence": m.get("kl_divergence"), "effective_bpe": m.get("effective_bpe"),
                "size_bytes": m.get("size_bytes"), "run_id": run.info.run_id}
         if ERROR in run.data.tags:
             out["error"] = run.data.tags[ERROR]
@@ -1211,14 +1216,17 @@ def compare_text(rows: list[dict]) -> str:
     recovery_cols = [k for k in rows[0] if k.startswith("recovery.")]
     for r in rows[1:]:
         recovery_cols += [k for k in r if k.startswith("recovery.") and k not in recovery_cols]
-    header = ["name", "status", *[c[len("recovery."):] for c in recovery_cols], "median", "bits/elem", "size MB"]
+    header = ["name", "status", *[c[len("recovery."):] for c in recovery_cols], "median", "interval", "KL",
+              "bits/elem", "size MB"]
 
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     cells = [[("* " if r.get("selected") else "  ") + str(r["name"]), str(r.get("status", "")),
               *[num(r.get(c), ".4f") for c in recovery_cols], num(r.get("median_recovery"), ".4f"),
-              num(r.get("effective_bpe"), ".3f"),
+              "-" if r.get("median_recovery_ci_low") is None else
+              f"{r['median_recovery_ci_low']:.4f}-{r['median_recovery_ci_high']:.4f}",
+              num(r.get("kl_divergence"), ".4f"), num(r.get("effective_bpe"), ".3f"),
               num(None if r.get("size_bytes") is None else r["size_bytes"] / 1e6, ".3f")] for r in rows]
     header[0] = "  " + header[0]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]

@@ -395,6 +395,7 @@ def test_compare_table_reads_back_the_latest_run(logged):
     # an explicit run id (parent or child) gives the older run; the experiment name works too
     older = tracking.compare_table(logged["uri"], f"qad-pipeline/{base}", run_id=first["run_id"])
     assert {r["name"]: r for r in older}["qad"]["median_recovery"] == pytest.approx(first["qad"]["median_recovery"])
+    assert by_name[selected]["median_recovery_ci_low"] == pytest.approx(second["ptq"][selected]["median_recovery_ci"][0])
     text = tracking.compare_text(rows)
     assert f"* {selected}" in text and f"{BROKEN} FAILED" in text and "heldout_cloze" in text
     with pytest.raises(ConfigError, match="no MLflow experiment"):
@@ -680,3 +681,18 @@ def test_registered_version_describes_the_exported_model(logged):
 def test_run_url_points_at_the_server_or_the_local_ui():
     assert tracking.run_url("http://mlflow.example:5000/", "3", "abc") == "http://mlflow.example:5000/#/experiments/3/runs/abc"
     assert tracking.run_url("sqlite:////x/mlflow.db", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+
+
+def test_an_alias_recipe_run_has_the_metrics_of_the_recipe_it_equals_and_no_duration(tmp_path):
+    params = make_params(tmp_path, tmp_path)
+    layout = Layout(tmp_path)
+    ran, alias = GOOD[0], "nvfp4_max-mamba_w4a16-kv_fp8"
+    write_json(layout.ptq_metrics(ran), {"recipe": ran, "status": "ok", "median_recovery": 0.98,
+                                         "median_recovery_ci": [0.97, 0.99], "effective_bpe": 4.75,
+                                         "started_at": 1000.0, "finished_at": 1030.0})
+    write_json(layout.selection_metrics, {"table": []})
+    row = {"name": alias, "status": "alias", "alias_of": ran, "settings": settings_of(alias, 4.75)}
+    child = tracking._ptq_child(layout, params, alias, row)
+    assert child.status == "FINISHED" and child.tags["alias_of"] == ran
+    assert child.metrics["median_recovery"] == 0.98 and child.metrics["median_recovery_ci_high"] == 0.99
+    assert child.params["mamba_format"] == "w4a16" and child.start_ms == child.end_ms
