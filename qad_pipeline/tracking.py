@@ -495,7 +495,8 @@ def _ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, An
     """metrics/ptq/<recipe>.json (scores + recovery) or, before selection, the PTQ scores.json.
 
     `row` is the recipe's row of the selection table: its `settings` (weight scale method, Mamba
-    format, KV format, bits) become the run's params, so MLflow's compare view has a recipe axis.
+    format, KV format, bits) become the run's params, so MLflow's compare view has a recipe axis
+    (without them: the recipe's name, KV format and bits as PTQ measured them).
     A recipe that is an alias of another (the same quantizer configuration on this model, not
     run) gets that one's metrics and the tag `alias_of`.
     """
@@ -525,7 +526,10 @@ def _ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, An
         **_numeric_leaves(m.get("timing_s") or {}, "timing_s."),
         **_numeric_leaves(m.get("elements_by_format") or {}, "elements_by_format."),
     }
-    child.params = {k: v for k, v in {"recipe": recipe, **(row.get("settings") or {})}.items() if v is not None}
+    measured = {"kv_cache": m.get("kv_cache"),  # what PTQ measured, where selection recorded no settings
+                "effective_bpe": None if _number(m.get("effective_bpe")) is None else round(m["effective_bpe"], 3)}
+    settings = {"recipe": recipe, **measured, **(row.get("settings") or {})}
+    child.params = {k: v for k, v in settings.items() if v is not None}
     child.tags = {"status": row.get("status") or m.get("status"), "kv_cache": m.get("kv_cache"),
                   "alias_of": alias_of}
     if weight.get("worst"):
