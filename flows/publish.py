@@ -8,6 +8,8 @@ model's slug (`recipe-table-demo-model`) and one base model's run does not repla
 
 from __future__ import annotations
 
+import os
+
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
@@ -39,16 +41,20 @@ def publish_report(params, summary: dict) -> None:
 def link_tracking(layout: Layout, params, run_id: str) -> None:
     """Tag the flow run with its MLflow run (`mlflow`, `mlflow-run:<id>`), publish a link to that
     run (`mlflow-run-<slug>`), and tag the MLflow run with the flow run's page
-    (`prefect.flow_run_url`). A failure here is logged; it never stops the pipeline."""
+    (`prefect.flow_run_url`) when the flow talks to a Prefect server of its own (PREFECT_API_URL;
+    a temporary server's page is gone after the run). A failure here is logged; it never stops
+    the pipeline."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
 
     try:
         uri = tracking.tracking_uri(layout.root)
         store = tracking.client_for(uri)
         url = tracking.run_url(uri, store.get_run(run_id).info.experiment_id, run_id)
-        if flow_run.ui_url:
-            store.set_tag(run_id, "prefect.flow_run_url", flow_run.ui_url)
+        page = url_for("flow-run", obj_id=flow_run.id) if flow_run.id and os.environ.get("PREFECT_API_URL") else None
+        if page:
+            store.set_tag(run_id, "prefect.flow_run_url", page)
         if flow_run.id:
             with get_client(sync_client=True) as client:
                 tags = client.read_flow_run(flow_run.id).tags
