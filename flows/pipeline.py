@@ -35,17 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from qad_pipeline import tracking, versioning
 from qad_pipeline.artifacts import list_files, read_json
 from qad_pipeline.config import load_params, resolve
+from qad_pipeline.flows.publish import link_tracking, publish_recipe_table, publish_report
 from qad_pipeline.flows.stages import StageFailed, run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
-from qad_pipeline.report import recipe_rows, report_markdown, report_text
+from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 
 __all__ = ["StageFailed", "qad_pipeline"]
@@ -107,7 +107,7 @@ def recipe_done(layout: Layout, recipe: str) -> bool:
             and (layout.ptq(recipe) / "checkpoint").is_dir())
 
 
-@task(name="calibration")
+@task(name="calibration", task_run_name="calibration")
 def calibration(params_file: str, overrides: list[str], layout: Layout) -> float:
     return run_stage_process(["calibration"], params_file, overrides, layout)
 
@@ -120,7 +120,7 @@ def run_heavy_stage(stage: str, params_file: str, overrides: list[str], layout: 
     return run_stage_process([stage], params_file, overrides, layout)
 
 
-@task(name="baseline", cache_key_fn=baseline_cache_key, persist_result=True)
+@task(name="baseline", task_run_name="baseline", cache_key_fn=baseline_cache_key, persist_result=True)
 def baseline(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
     return run_heavy_stage("baseline", params_file, overrides, layout, deployment)
 
@@ -154,22 +154,22 @@ def run_on_pool(deployment: str, name: str, what: dict, params_file: str, overri
     return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
 
 
-@task(name="selection")
+@task(name="selection", task_run_name="selection")
 def selection(params_file: str, overrides: list[str], layout: Layout) -> float:
     return run_stage_process(["selection"], params_file, overrides, layout)
 
 
-@task(name="qad")
+@task(name="qad", task_run_name="qad")
 def qad(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
     return run_heavy_stage("qad", params_file, overrides, layout, deployment)
 
 
-@task(name="final_eval")
+@task(name="final_eval", task_run_name="final_eval")
 def final_eval(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
     return run_heavy_stage("final_eval", params_file, overrides, layout, deployment)
 
 
-@task(name="export")
+@task(name="export", task_run_name="export")
 def export(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
     return run_heavy_stage("export", params_file, overrides, layout, deployment)
 
@@ -262,6 +262,8 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, 
     from qad_pipeline.memory import recipe_parallelism
 
     parent_run = start_tracking(layout, params)
+    if parent_run:
+        link_tracking(layout, params, parent_run)
     try:
         seconds = {"calibration": calibration(params_file, overrides, layout)}
 
@@ -291,9 +293,10 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, 
         seconds["selection"] = selection(params_file, overrides, layout)
         chosen = read_json(layout.selection_metrics)
         summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
+                   "weight_error": weight_error_rows(layout, params.ptq.recipes),
                    "failed": failed, "cached": cached, "baseline_cached": base.state.name == "Cached",
                    "seconds": seconds, "root": str(layout.root)}
-        create_table_artifact(key="recipe-table", table=summary["recipes"], description=chosen["reason"])
+        publish_recipe_table(params, summary)
 
         if chosen["selected"] is not None and params.selection.policy == "qad":
             seconds["qad"] = qad(params_file, overrides, layout, stage_deployment)
@@ -304,7 +307,7 @@ def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, 
     except StageFailed as err:
         track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
         raise
-    create_markdown_artifact(key="qad-pipeline-report", markdown=report_markdown(summary))
+    publish_report(params, summary)
     summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
     summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
     return summary

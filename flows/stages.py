@@ -56,8 +56,9 @@ def run_stage_process(
 ) -> float:
     """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
 
-    Its wall time and peak resident memory (the child's own, `wait_with_peak`) are logged and written
-    to `artifacts/logs/<stage>.usage.json`, where the memory plan's estimates can be checked.
+    Its wall time, start and end (epoch seconds, `started_at`/`finished_at`: MLflow's run times)
+    and peak resident memory (the child's own, `wait_with_peak`) are logged and written to
+    `artifacts/logs/<stage>.usage.json`, where the memory plan's estimates can be checked.
 
     `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
     machine's cores, unless the caller's environment already sets OMP_NUM_THREADS. The child runs
@@ -85,10 +86,12 @@ def run_stage_process(
             proc.wait()
             raise
         proc.returncode = code = os.waitstatus_to_exitcode(status)
-    elapsed = time.time() - started
+    finished = time.time()
+    elapsed = finished - started
     peak_mb = peak_kb / 1024
     write_json(layout.logs / f"{name}.usage.json", {"stage": name, "seconds": elapsed, "peak_rss_mb": peak_mb,
-                                                    "exit_code": code})
+                                                    "exit_code": code, "started_at": started,
+                                                    "finished_at": finished})
     if code != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
         why = "killed (out of memory?)" if code < 0 else f"exit code {code}"

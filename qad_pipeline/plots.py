@@ -11,13 +11,18 @@ from qad_pipeline.artifacts import read_json
 from qad_pipeline.layout import Layout
 
 
-def _figure():
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt, *plt.subplots(figsize=(6, 4), dpi=100)
+    return plt
+
+
+def _figure(size=(6, 4)):
+    plt = _pyplot()
+    return plt, *plt.subplots(figsize=size, dpi=100)
 
 
 def _save(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
@@ -26,32 +31,115 @@ def _save(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path
     ax.set_title(title)
     ax.grid(alpha=0.3)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out)
+    fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
     return out
 
 
-def recovery_vs_bpe(layout: Layout, recipes: list[str], out: Path) -> Path | None:
-    """One point per recipe that ran: median recovery against effective bits per element."""
-    points = []
+def _ci(value) -> tuple[float, float] | None:
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
+        return float(value[0]), float(value[1])
+    return None
+
+
+def _recipe_points(layout: Layout, recipes: list[str]) -> list[dict]:
+    """One point per recipe that ran (aliases folded into the recipe they are the same as)."""
+    selection = read_json(layout.selection_metrics) if layout.selection_metrics.is_file() else {}
+    table = {r.get("name"): r for r in selection.get("table") or []}
+    points: dict[str, dict] = {}
     for name in recipes:
         path = layout.ptq_metrics(name)
         if path.is_file() and (m := read_json(path)).get("status") == "ok":
-            points.append((name, m["effective_bpe"], m["median_recovery"]))
+            points[name] = {"names": [name], "bpe": m["effective_bpe"], "rec": m["median_recovery"],
+                            "ci": _ci(m.get("median_recovery_ci") or table.get(name, {}).get("median_recovery_ci"))}
+    for name in recipes:
+        alias_of = table.get(name, {}).get("alias_of")
+        if table.get(name, {}).get("status") == "alias" and alias_of in points:
+            points[alias_of]["names"].append(name)
+            points.pop(name, None)
+    return list(points.values())
+
+
+def _spread_labels(ax, texts) -> None:
+    """Move point labels apart vertically (in pixels) until no two of them overlap."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    placed = []
+    for text in sorted(texts, key=lambda t: ax.transData.transform(t.xy)[1]):
+        for _ in range(50):
+            box = text.get_window_extent(renderer)
+            clash = next((b for b in placed if b.overlaps(box)), None)
+            if clash is None:
+                break
+            x, y = text.xyann
+            text.xyann = (x, y + (clash.y1 - box.y0) * 72 / fig.dpi + 1)  # offset points
+        placed.append(text.get_window_extent(renderer))
+
+
+def recovery_figure(layout: Layout, recipes: list[str]):
+    """The recovery plot as a matplotlib figure (None when no recipe ran); see `recovery_vs_bpe`."""
+    points = _recipe_points(layout, recipes)
     if not points:
         return None
-    plt, fig, ax = _figure()
-    selected = read_json(layout.selection_metrics).get("selected") if layout.selection_metrics.is_file() else None
-    for name, bpe, rec in points:
-        ax.scatter([bpe], [100 * rec], marker="*" if name == selected else "o", s=120 if name == selected else 40)
-        ax.annotate(name, (bpe, 100 * rec), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    selection = read_json(layout.selection_metrics) if layout.selection_metrics.is_file() else {}
+    selected = selection.get("selected")
+    plt, fig, ax = _figure((7, 4.5))
+    colors = plt.get_cmap("tab10").colors
+    ys = []
+    texts = []
+    for i, p in enumerate(sorted(points, key=lambda p: (p["bpe"], p["rec"]))):
+        is_selected = selected in p["names"]
+        label = " = ".join(p["names"]) + (" (selected)" if is_selected else "")
+        y = 100 * p["rec"]
+        yerr = None
+        if p["ci"]:
+            low, high = 100 * p["ci"][0], 100 * p["ci"][1]
+            yerr = [[max(0.0, y - low)], [max(0.0, high - y)]]
+            ys += [low, high]
+        ys.append(y)
+        ax.errorbar([p["bpe"]], [y], yerr=yerr, fmt="*" if is_selected else "o", ms=16 if is_selected else 7,
+                    color=colors[i % len(colors)], mec="black" if is_selected else None, capsize=3,
+                    label=f"{i + 1}: {label}", zorder=3 if is_selected else 2)
+        texts.append(ax.annotate(str(i + 1), (p["bpe"], y), xytext=(10 if is_selected else 6, 2), textcoords="offset points", fontsize=8))
     if layout.qad_metrics.is_file() and layout.export_metrics.is_file():
         q, e = read_json(layout.qad_metrics), read_json(layout.export_metrics)
-        ax.scatter([e["effective_bpe"]], [100 * q["median_recovery"]], marker="D", s=60, label="QAD (exported)")
-        ax.legend(fontsize=7)
-    return _save(plt, fig, ax, out, "effective bits per element", "median recovery vs BF16 (%)",
-                 "PTQ recipes: accuracy recovery against size")
+        y = 100 * q["median_recovery"]
+        ci = _ci(q.get("median_recovery_ci"))
+        yerr = None if ci is None else [[max(0.0, y - 100 * ci[0])], [max(0.0, 100 * ci[1] - y)]]
+        ys += [y] + ([100 * ci[0], 100 * ci[1]] if ci else [])
+        ax.errorbar([e["effective_bpe"]], [y], yerr=yerr, fmt="D", ms=7, color="black", capsize=3,
+                    label="QAD (exported)")
+    low, high = min(ys), max(ys)
+    pad = max(0.5, 0.1 * (high - low))
+    band = _ci(selection.get("band"))
+    if band is not None:
+        b_low, b_high = 100 * band[0], 100 * band[1]
+        low, high = min(low, b_low) if b_low > low - 5 else low, max(high, b_high) if b_high < high + 5 else high
+        ax.axhspan(b_low, b_high, color="tab:green", alpha=0.12, zorder=0,
+                   label=f"target band {b_low:.5g}–{b_high:.5g} %")
+    ax.set_ylim(low - pad, high + pad)
+    xs = [p["bpe"] for p in points]
+    ax.set_xlim(min(xs) - 0.5, max(xs) + 0.8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    _spread_labels(ax, texts)
+    ax.set_xlabel("effective bits per element")
+    ax.set_ylabel("median recovery vs BF16 (%)")
+    ax.set_title("PTQ recipes: accuracy recovery against size")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def recovery_vs_bpe(layout: Layout, recipes: list[str], out: Path) -> Path | None:
+    """Median recovery (with its interval) against effective bits per element, one point per
+    recipe, the selected one a star; the target band shaded; QAD's exported model a diamond."""
+    fig = recovery_figure(layout, recipes)
+    if fig is None:
+        return None
+    plt = _pyplot()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, bbox_inches="tight")
+    plt.close(fig)
+    return out
 
 
 def qad_loss_curve(layout: Layout, out: Path) -> Path | None:

@@ -15,8 +15,17 @@ What goes where:
   and recipe whose files exist: `calibration`, `baseline`, `ptq-<recipe>`, `selection`, `qad`,
   `final_eval`, `export`. A failed recipe (or a failed export check) ends FAILED with its error
   as the tag `error`;
-* `register_export` logs the exported checkpoint into the export run and registers it as a new
-  version of the registered model `<sanitized base model>-nvfp4`, with the alias `candidate`.
+* the parent also holds what a user compares pipeline runs on: the selected recipe's and QAD's
+  recovery with its interval, KL and bits as metrics (`headline_metrics`), a Markdown
+  description (`mlflow.note.content`, from `report.run_description`), the report as `report.md`
+  and the selection's full reason as `selection_reason.txt` (its tag holds the first sentence);
+* each recipe run has the recipe's settings (weight scale method, Mamba format, KV format, bits)
+  as params, so MLflow's compare view has a recipe axis; every stage run starts and ends when its
+  process did (`stage_span`: the flow's `artifacts/logs/<stage>.usage.json`);
+* `register_export` logs the exported checkpoint into the parent run and registers it as a new
+  version of the registered model `<sanitized base model>-nvfp4`, with the alias `candidate`;
+  the version's run is the parent, and its description quotes the exported model's recovery,
+  the git commit and the data fingerprints.
 
 Every param and tag value, and every JSON/text artifact, passes through `redact`/`redact_text`:
 values under a key named like a secret (token, secret, password, key) and the values of such
@@ -47,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, Params, resolve
 from qad_pipeline.layout import Layout
+from qad_pipeline.report import read_summary, report_markdown, run_description
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient
@@ -275,6 +285,7 @@ class ChildRun:
     end_ms: int
     status: str = "FINISHED"
     recipe: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)  # what to compare runs on (recipe settings)
     metrics: dict[str, float] = field(default_factory=dict)
     tags: dict[str, Any] = field(default_factory=dict)
     dicts: dict[str, Any] = field(default_factory=dict)  # artifact file -> JSON data
@@ -285,6 +296,42 @@ class ChildRun:
 
 def _mtime_ms(path: Path) -> int:
     return int(path.stat().st_mtime * 1000)
+
+
+USAGE_SLACK_S = 5.0  # a stage's output may be written up to this long after its usage file says it ended
+
+
+def stage_span(layout: Layout, name: str, output: Path) -> tuple[int, int]:
+    """(start, end) in epoch ms of the stage process that wrote `output`.
+
+    From `artifacts/logs/<name>.usage.json` (written by the flow around the stage process:
+    `started_at`/`finished_at`, or only `seconds` in files from before those were recorded, then
+    ending at the usage file's time) when `output` was written while that process ran; otherwise
+    (e.g. `dvc repro` ran the stage without a usage file, or later than it) a zero-length span at
+    the output's modification time.
+    """
+    written = output.stat().st_mtime
+    path = layout.logs / f"{name}.usage.json"
+    if path.is_file():
+        try:
+            usage = read_json(path)
+        except (OSError, ValueError):
+            usage = {}
+        end = _number(usage.get("finished_at"))
+        end = path.stat().st_mtime if end is None else end
+        start = _number(usage.get("started_at"))
+        seconds = _number(usage.get("seconds"))
+        start = end - seconds if start is None and seconds is not None else start
+        if start is not None and start - USAGE_SLACK_S <= written <= end + USAGE_SLACK_S:
+            return int(1000 * start), int(1000 * max(end, written))
+    return int(1000 * written), int(1000 * written)
+
+
+def _ci_metrics(ci: Any, prefix: str) -> dict[str, float]:
+    """[low, high] -> {prefix_ci_low: low, prefix_ci_high: high}; nothing when absent."""
+    if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_number(v) is not None for v in ci):
+        return {f"{prefix}_ci_low": float(ci[0]), f"{prefix}_ci_high": float(ci[1])}
+    return {}
 
 
 def _metric_key(key: str) -> str:
@@ -319,6 +366,8 @@ def _task_metrics(tasks: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
             out[_metric_key(f"score.{task}")] = float(score["value"])
         if _number(score.get("recovery")) is not None:
             out[_metric_key(f"recovery.{task}")] = float(score["recovery"])
+        ci = _ci_metrics(score.get("recovery_ci"), "recovery")
+        out.update({_metric_key(f"{k}.{task}"): v for k, v in ci.items()})
     return out
 
 
@@ -408,8 +457,7 @@ def _calibration_child(layout: Layout, params: Params) -> ChildRun | None:
     if not path.is_file():
         return None
     m = read_json(path)
-    end = _mtime_ms(path)
-    child = ChildRun("calibration", "calibration", end, end)
+    child = ChildRun("calibration", "calibration", *stage_span(layout, "calibration", path))
     child.metrics = {
         **_numeric_leaves({k: v for k, v in m.items() if k in ("documents", "seed")}),
         **_numeric_leaves(m.get("calibration") or {}, "calibration."),
@@ -433,8 +481,8 @@ def _baseline_child(layout: Layout) -> ChildRun | None:
     if not path.is_file():
         return None
     m = read_json(path)
-    end = _mtime_ms(path)
-    child = ChildRun("baseline", "baseline", end, end, "FINISHED" if m.get("status", "ok") == "ok" else "FAILED")
+    child = ChildRun("baseline", "baseline", *stage_span(layout, "baseline", path),
+                     "FINISHED" if m.get("status", "ok") == "ok" else "FAILED")
     child.metrics = {**_task_metrics(m.get("tasks") or {}), **_pick(m, "effective_bpe", "size_bytes")}
     model = m.get("model") or {}
     child.tags = {f"base_model.{k}": v for k, v in model.items()}
@@ -443,28 +491,52 @@ def _baseline_child(layout: Layout) -> ChildRun | None:
     return child
 
 
-def _ptq_child(layout: Layout, params: Params, recipe: str) -> ChildRun | None:
-    """metrics/ptq/<recipe>.json (scores + recovery) or, before selection, the PTQ scores.json."""
+def _ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, Any]) -> ChildRun | None:
+    """metrics/ptq/<recipe>.json (scores + recovery) or, before selection, the PTQ scores.json.
+
+    `row` is the recipe's row of the selection table: its `settings` (weight scale method, Mamba
+    format, KV format, bits) become the run's params, so MLflow's compare view has a recipe axis
+    (without them: the recipe's name, KV format and bits as PTQ measured them).
+    A recipe that is an alias of another (the same quantizer configuration on this model, not
+    run) gets that one's metrics and the tag `alias_of`.
+    """
+    alias_of = row.get("alias_of") if row.get("status") == "alias" else None
     metrics_path, scores_path = layout.ptq_metrics(recipe), layout.ptq(recipe) / "scores.json"
     path = metrics_path if metrics_path.is_file() else scores_path if scores_path.is_file() else None
+    m = read_json(path) if path is not None else {}
+    if alias_of and m.get("status") != "ok" and layout.ptq_metrics(alias_of).is_file():
+        m = {**read_json(layout.ptq_metrics(alias_of)), "status": "alias"}
+        path = path or layout.ptq_metrics(alias_of)
     if path is None:
         return None
-    m = read_json(path)
     end = int(1000 * m["finished_at"]) if _number(m.get("finished_at")) is not None else _mtime_ms(path)
     start = int(1000 * m["started_at"]) if _number(m.get("started_at")) is not None else end
+    if alias_of:  # it did not run: a zero-length run at the time the selection found it out
+        start = end = _mtime_ms(layout.selection_metrics) if layout.selection_metrics.is_file() else end
     name = f"ptq-{recipe}"
-    ok = m.get("status") == "ok"
+    ok = m.get("status") in ("ok", "alias")
     child = ChildRun(name, "ptq", start, end, "FINISHED" if ok else "FAILED", recipe=recipe)
+    weight = m.get("weight_error") if isinstance(m.get("weight_error"), Mapping) else {}
     child.metrics = {
         **_task_metrics(m.get("tasks") or {}),
         **_pick(m, "median_recovery", "effective_bpe", "size_bytes", "bf16_size_bytes", "kl_divergence",
                 "peak_rss_mb"),
+        **_ci_metrics(m.get("median_recovery_ci") or row.get("median_recovery_ci"), "median_recovery"),
+        **_numeric_leaves({"weight_error.median": weight.get("median")}),
         **_numeric_leaves(m.get("timing_s") or {}, "timing_s."),
         **_numeric_leaves(m.get("elements_by_format") or {}, "elements_by_format."),
     }
-    child.tags = {"status": m.get("status"), "kv_cache": m.get("kv_cache")}
+    measured = {"kv_cache": m.get("kv_cache"),  # what PTQ measured, where selection recorded no settings
+                "effective_bpe": None if _number(m.get("effective_bpe")) is None else round(m["effective_bpe"], 3)}
+    settings = {"recipe": recipe, **measured, **(row.get("settings") or {})}
+    child.params = {k: v for k, v in settings.items() if v is not None}
+    child.tags = {"status": row.get("status") or m.get("status"), "kv_cache": m.get("kv_cache"),
+                  "alias_of": alias_of}
+    if weight.get("worst"):
+        child.tags["weight_error.worst"] = ", ".join(
+            f"{w.get('layer')}: {w.get('error'):.4g}" for w in weight["worst"] if _number(w.get("error")) is not None)
     if not ok:
-        child.tags[ERROR] = m.get("error") or "failed (no error recorded)"
+        child.tags[ERROR] = m.get("error") or row.get("error") or "failed (no error recorded)"
     child.dicts = {f"{recipe}.json": m}
     recipe_file = params.recipe_path(recipe)
     if recipe_file.is_file():
@@ -478,20 +550,36 @@ def _selection_child(layout: Layout) -> ChildRun | None:
     if not path.is_file():
         return None
     s = read_json(path)
-    end = _mtime_ms(path)
-    child = ChildRun("selection", "selection", end, end)
+    child = ChildRun("selection", "selection", *stage_span(layout, "selection", path))
     table = s.get("table") or []
     chosen = next((r for r in table if r.get("name") == s.get("selected")), None)
     child.metrics = {
         "recipes.ok": float(sum(r.get("status") == "ok" for r in table)),
-        "recipes.failed": float(sum(r.get("status") != "ok" for r in table)),
-        **({} if chosen is None else _pick(chosen, "median_recovery", "effective_bpe")),
+        "recipes.alias": float(sum(r.get("status") == "alias" for r in table)),
+        "recipes.failed": float(sum(r.get("status") not in ("ok", "alias") for r in table)),
+        **({} if chosen is None else _pick(chosen, "median_recovery", "effective_bpe", "kl_divergence")),
+        **({} if chosen is None else _ci_metrics(chosen.get("median_recovery_ci"), "median_recovery")),
+        **_pick(s, "could_compress_further"),
     }
-    child.tags = {"selected": s.get("selected") or "none", "policy": s.get("policy"), "band": s.get("band"),
-                  "reason": s.get("reason")}
+    reason = str(s.get("reason") or "")
+    child.tags = {"selected": s.get("selected") or "none", "runner_up": s.get("runner_up"), "policy": s.get("policy"),
+                  "band": s.get("band"), "reason": short_reason(reason)}
     child.dicts = {"selection.json": s}
-    child.texts = _stage_log(layout, "selection")
+    child.texts = {REASON_FILE: reason, **_stage_log(layout, "selection")}
     return child
+
+
+REASON_FILE = "selection_reason.txt"
+SHORT_REASON = 250  # characters of the reason in a tag; the full text is the artifact REASON_FILE
+
+
+def short_reason(reason: str) -> str:
+    """The reason's first sentence, at most SHORT_REASON characters, pointing at the full text."""
+    text = " ".join(reason.split())
+    first = text.split(". ", 1)[0].rstrip(".") + "."
+    if len(first) > SHORT_REASON:
+        first = first[:SHORT_REASON].rsplit(" ", 1)[0] + " …"
+    return first if first == text else f"{first} (full text: {REASON_FILE})"
 
 
 def _qad_child(layout: Layout) -> ChildRun | None:
@@ -499,9 +587,9 @@ def _qad_child(layout: Layout) -> ChildRun | None:
     if not path.is_file():
         return None
     q = read_json(path)
-    end = _mtime_ms(path)
-    seconds = _number(q.get("seconds")) or 0.0
-    start = int(end - 1000 * seconds)
+    start, end = stage_span(layout, "qad", path)
+    if start == end:  # no usage file: loss.json says how long it trained
+        start = int(end - 1000 * (_number(q.get("seconds")) or 0.0))
     child = ChildRun("qad", "qad", start, end)
     losses = [p for p in q.get("losses") or [] if _number(p.get("step")) is not None]
     last = max((int(p["step"]) for p in losses), default=1) or 1
@@ -526,10 +614,10 @@ def _final_eval_child(layout: Layout) -> ChildRun | None:
     if not path.is_file():
         return None
     m = read_json(path)
-    end = _mtime_ms(path)
-    child = ChildRun("final_eval", "final_eval", end, end, recipe=m.get("recipe"))
+    child = ChildRun("final_eval", "final_eval", *stage_span(layout, "final_eval", path), recipe=m.get("recipe"))
     child.metrics = {**_task_metrics(m.get("tasks") or {}),
-                     **_pick(m, "median_recovery", "ptq_median_recovery", "kl_divergence", "qad_beats_ptq")}
+                     **_pick(m, "median_recovery", "ptq_median_recovery", "kl_divergence", "qad_beats_ptq"),
+                     **_ci_metrics(m.get("median_recovery_ci"), "median_recovery")}
     child.tags = {"qad_beats_ptq": m.get("qad_beats_ptq")}
     child.dicts = {"qad.json": m}
     child.texts = _stage_log(layout, "final_eval")
@@ -541,9 +629,8 @@ def _export_child(layout: Layout) -> ChildRun | None:
     if not path.is_file():
         return None
     e = read_json(path)
-    end = _mtime_ms(path)
     passed = bool(e.get("passed"))
-    child = ChildRun("export", "export", end, end, "FINISHED" if passed else "FAILED")
+    child = ChildRun("export", "export", *stage_span(layout, "export", path), "FINISHED" if passed else "FAILED")
     child.metrics = _numeric_leaves({k: v for k, v in e.items() if k != "serving"})
     checks = e.get("checks") or {}
     child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in checks.items()}
@@ -558,8 +645,10 @@ def _export_child(layout: Layout) -> ChildRun | None:
 
 def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     """One ChildRun per stage (and recipe) whose files exist, in pipeline order."""
+    table = read_json(layout.selection_metrics).get("table") or [] if layout.selection_metrics.is_file() else []
+    rows = {r.get("name"): r for r in table}
     children = [_calibration_child(layout, params), _baseline_child(layout)]
-    children += [_ptq_child(layout, params, r) for r in params.ptq.recipes]
+    children += [_ptq_child(layout, params, r, rows.get(r) or {}) for r in params.ptq.recipes]
     children += [_selection_child(layout), _qad_child(layout), _final_eval_child(layout), _export_child(layout)]
     return [c for c in children if c is not None]
 
@@ -772,8 +861,8 @@ def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, chil
     run = client.create_run(experiment_id, start_time=child.start_ms, run_name=child.name, tags=tags)
     run_id = run.info.run_id
     try:
-        _log_batch(client, run_id, tags=child.tags, metrics=child.metrics, timestamp_ms=child.end_ms,
-                   steps=child.steps)
+        _log_batch(client, run_id, params=child.params, tags=child.tags, metrics=child.metrics,
+                   timestamp_ms=child.end_ms, steps=child.steps)
         _log_inputs(client, run_id, child.datasets)
         _log_files(client, run_id, child.dicts, child.texts)
     except BaseException:
@@ -781,6 +870,42 @@ def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, chil
         raise
     client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
     return run_id
+
+
+HEADLINE = ("median_recovery", "median_recovery_ci_low", "median_recovery_ci_high", "kl_divergence",
+            "effective_bpe", "weight_error.median", "size_bytes")
+
+
+def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str, float]:
+    """The parent run's metrics, so the runs table compares pipeline runs at a glance.
+
+    `selected.*`: the selected recipe's PTQ run (recovery, its interval, KL, bits, weight error);
+    `qad.*`: the final eval of the QAD model (recovery, interval, KL, PTQ's recovery);
+    `export.*`: the exported checkpoint (bits, size); and unprefixed `median_recovery`,
+    `median_recovery_ci_low/high`, `kl_divergence`, `effective_bpe`: those of the model the run
+    delivers (QAD's when it ran, else the selected PTQ recipe's), the same keys the recipe runs have.
+    """
+    by_stage = {c.stage: c for c in children if c.stage != "ptq"}
+    chosen = next((c for c in children if c.stage == "ptq" and c.recipe == selected), None)
+    out: dict[str, float] = {}
+    if chosen is not None:
+        out.update({f"selected.{k}": chosen.metrics[k] for k in HEADLINE if k in chosen.metrics})
+        out.update({k: chosen.metrics[k] for k in HEADLINE[:5] if k in chosen.metrics})
+    if "final_eval" in by_stage:
+        final = by_stage["final_eval"].metrics
+        keep = (*HEADLINE[:4], "ptq_median_recovery")
+        out.update({f"qad.{k}": final[k] for k in keep if k in final})
+        out.update({k: final[k] for k in HEADLINE[:4] if k in final})
+        for k in HEADLINE[1:3]:  # an interval from the selected recipe must not stand beside QAD's recovery
+            if k not in final:
+                out.pop(k, None)
+    if "export" in by_stage:
+        export = by_stage["export"].metrics
+        out.update({f"export.{k}": export[k] for k in ("effective_bpe", "size_bytes", "size_ratio", "passed")
+                    if k in export})
+        if "effective_bpe" in export:
+            out["effective_bpe"] = export["effective_bpe"]
+    return out
 
 
 def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
@@ -817,17 +942,16 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
         if "selection" in by_stage:
             sel = by_stage["selection"]
             tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
-                         "qad.selection.reason": sel.tags["reason"]})
-            metrics.update({f"selected.{k}": v for k, v in sel.metrics.items() if not k.startswith("recipes.")})
-            _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]}, {})
-        if "final_eval" in by_stage:
-            metrics.update({f"qad.{k}": v for k, v in by_stage["final_eval"].metrics.items()
-                            if k in ("median_recovery", "ptq_median_recovery", "kl_divergence")})
-        if "export" in by_stage:
-            metrics.update({f"export.{k}": v for k, v in by_stage["export"].metrics.items()
-                            if k in ("effective_bpe", "size_bytes", "size_ratio", "passed")})
+                         "qad.runner_up": sel.tags.get("runner_up"), "qad.selection.reason": sel.tags["reason"]})
+            _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
+                       {REASON_FILE: sel.texts[REASON_FILE]})
+        metrics.update(headline_metrics(children, tags.get("qad.selected")))
+        tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
+        if "selection" in by_stage and layout.baseline_metrics.is_file():
+            summary = read_summary(layout, params.ptq.recipes)
+            tags[NOTE] += "\n" + run_description(summary, reason_file=REASON_FILE, max_chars=MAX_TAG_VALUE - 500)
+            client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
         if report:
-            tags[NOTE] = report
             client.log_text(run_id, redact_text(report), "report.txt")
         for png in sorted((layout.metrics / "plots").glob("*.png")):
             client.log_artifact(run_id, str(png), "plots")
@@ -851,11 +975,14 @@ def _children(client: MlflowClient, parent: Any) -> list[Any]:
 
 def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: str | None = None,
                     alias: str = CANDIDATE_ALIAS) -> str:
-    """Log artifacts/export into the export child run and register it; returns the new version.
+    """Log artifacts/export into the pipeline (parent) run and register it; returns the new version.
 
     The registered model is `registered_model_name(base_model.path)`; the version's source is the
-    run's `checkpoint/` artifact folder and its run_id the export run, and `alias` (default
-    `candidate`) is moved onto it, so `models:/<name>@candidate` leads back to the run.
+    parent run's `checkpoint/` artifact folder and its run_id the parent run, so the run page
+    lists it; its description (Markdown) quotes the exported model's own recovery
+    (metrics/qad.json, with its interval), the PTQ recovery it started from, the git commit and
+    the fingerprints of the base checkpoint and of the calibration and eval data. `alias`
+    (default `candidate`) is moved onto it, so `models:/<name>@candidate` leads back to the run.
     """
     from mlflow.exceptions import MlflowException
 
@@ -873,7 +1000,7 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
     if not layout.export.is_dir() or not any(layout.export.iterdir()):
         raise ConfigError(f"no exported checkpoint in {layout.export} to register")
 
-    client.log_artifacts(run.info.run_id, str(layout.export), CHECKPOINT_ARTIFACT)
+    client.log_artifacts(parent_run_id, str(layout.export), CHECKPOINT_ARTIFACT)
     name = registered_model_name(params.base_model.path)
     try:
         client.get_registered_model(name)
@@ -885,23 +1012,73 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
             )
         except MlflowException:
             client.get_registered_model(name)  # created meanwhile; anything else raises here
-    m = run.data.metrics
-    version_tags = {k: redact(k, v) for k, v in {
-        "recipe": run.data.tags.get(RECIPE) or parent.data.tags.get("qad.selected"),
-        "pipeline_run_id": parent_run_id,
-        "effective_bpe": m.get("effective_bpe"),
-        "size_bytes": None if m.get("size_bytes") is None else int(m["size_bytes"]),
-        "base_model.sha256": parent.data.tags.get("base_model.sha256"),
-    }.items() if v is not None}
+    facts = version_facts(layout, parent, run)
     version = client.create_model_version(
-        name, source=f"{run.info.artifact_uri.rstrip('/')}/{CHECKPOINT_ARTIFACT}", run_id=run.info.run_id,
-        tags=version_tags, description=redact_text(parent.data.tags.get("qad.selection.reason", "")),
+        name, source=f"{parent.info.artifact_uri.rstrip('/')}/{CHECKPOINT_ARTIFACT}", run_id=parent_run_id,
+        tags={k: redact(k, v) for k, v in facts.items() if v is not None},
+        description=redact_text(version_description(facts)),
     )
     client.set_registered_model_alias(name, alias, version.version)
     where = f"models:/{name}/{version.version}"
     client.set_tag(run.info.run_id, "registered_model", where)
     client.set_tag(parent_run_id, "qad.registered_model", where)
     return str(version.version)
+
+
+def version_facts(layout: Layout, parent: Any, export_run: Any) -> dict[str, Any]:
+    """What a registered version records about itself, from the files and the runs' tags."""
+    qad = read_json(layout.qad_metrics) if layout.qad_metrics.is_file() else {}
+    manifest = read_json(layout.data / "manifest.json") if (layout.data / "manifest.json").is_file() else {}
+    ci = qad.get("median_recovery_ci") if isinstance(qad.get("median_recovery_ci"), list) else [None, None]
+    m = export_run.data.metrics
+    return {
+        "recipe": export_run.data.tags.get(RECIPE) or qad.get("recipe") or parent.data.tags.get("qad.selected"),
+        "pipeline_run_id": parent.info.run_id,
+        "median_recovery": qad.get("median_recovery"),
+        "median_recovery_ci_low": ci[0], "median_recovery_ci_high": ci[1],
+        "ptq_median_recovery": qad.get("ptq_median_recovery"),
+        "kl_divergence": qad.get("kl_divergence"),
+        "effective_bpe": m.get("effective_bpe"),
+        "size_bytes": None if m.get("size_bytes") is None else int(m["size_bytes"]),
+        "git_commit": parent.data.tags.get(GIT_COMMIT),
+        "base_model.path": parent.data.tags.get("base_model.path"),
+        "base_model.sha256": parent.data.tags.get("base_model.sha256"),
+        "calibration.fingerprint": (manifest.get("calibration") or {}).get("fingerprint"),
+        "eval.fingerprint": (manifest.get("eval") or {}).get("fingerprint"),
+    }
+
+
+def version_description(facts: Mapping[str, Any]) -> str:
+    """A registered version's description (Markdown, values rounded) from `version_facts`."""
+    def pct(key: str) -> str:
+        return "–" if _number(facts.get(key)) is None else f"{100 * facts[key]:.2f} %"
+
+    interval = ("" if _number(facts.get("median_recovery_ci_low")) is None else
+                f" (CI {100 * facts['median_recovery_ci_low']:.2f}–{100 * facts['median_recovery_ci_high']:.2f} %)")
+    bits = "–" if _number(facts.get("effective_bpe")) is None else f"{facts['effective_bpe']:.3f}"
+    kl = "–" if _number(facts.get("kl_divergence")) is None else f"{facts['kl_divergence']:.4f}"
+    lines = [
+        f"NVFP4 export of `{facts.get('base_model.path')}`, recipe `{facts.get('recipe')}` after QAD.",
+        "",
+        "| model | median recovery vs BF16 | bits/elem | KL vs BF16 |",
+        "|---|---|---|---|",
+        f"| this export (QAD) | {pct('median_recovery')}{interval} | {bits} | {kl} |",
+        f"| PTQ before QAD | {pct('ptq_median_recovery')} | {bits} | – |",
+        "",
+        f"- pipeline run: `{facts.get('pipeline_run_id')}`",
+        f"- git commit: `{facts.get('git_commit') or 'unknown'}`",
+        f"- base checkpoint sha256: `{facts.get('base_model.sha256') or 'unknown'}`",
+        f"- calibration data fingerprint: `{facts.get('calibration.fingerprint') or 'unknown'}`",
+        f"- eval data fingerprint: `{facts.get('eval.fingerprint') or 'unknown'}`",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI: on the tracking server itself for an http(s) URI, else on
+    `mlflow ui --backend-store-uri <uri>` at its default address, http://127.0.0.1:5000."""
+    base = uri.rstrip("/") if urllib.parse.urlparse(uri).scheme in ("http", "https") else "http://127.0.0.1:5000"
+    return f"{redact_text(base)}/#/experiments/{experiment_id}/runs/{run_id}"
 
 
 # -- housekeeping and reading back ---------------------------------------------------------------
@@ -977,8 +1154,9 @@ def compare_table(uri: str, experiment: str, run_id: str | None = None) -> list[
     """Rows read back from MLflow for one pipeline run (the latest, or `run_id`, parent or child).
 
     One row each for bf16, every recipe (in the configured order; the chosen one has
-    `selected: True`) and qad: per-task recovery (`recovery.<task>`), `median_recovery`,
-    `effective_bpe`, `size_bytes`, `status` ("ok", "failed", ...), `error`, `run_id`.
+    `selected: True`) and qad: per-task recovery (`recovery.<task>`), `median_recovery` and its
+    interval (`median_recovery_ci_low/high`), `kl_divergence`, `effective_bpe`, `size_bytes`,
+    `status` ("ok", "failed", "alias of <recipe>", ...), `error`, `run_id`.
     """
     client = client_for(uri)
     if run_id is None:
@@ -1003,9 +1181,13 @@ def compare_table(uri: str, experiment: str, run_id: str | None = None) -> list[
 
     def row(name: str, run: Any, **extra) -> dict:
         m = run.data.metrics
-        out = {"name": name, "status": _status(run), "selected": False,
+        alias_of = run.data.tags.get("alias_of")
+        out = {"name": name, "status": f"alias of {alias_of}" if alias_of else _status(run), "selected": False,
                **{f"recovery.{t}": m.get(f"recovery.{t}") for t in tasks},
-               "median_recovery": m.get("median_recovery"), "effective_bpe": m.get("effective_bpe"),
+               "median_recovery": m.get("median_recovery"),
+               "median_recovery_ci_low": m.get("median_recovery_ci_low"),
+               "median_recovery_ci_high": m.get("median_recovery_ci_high"),
+               "kl_divergence": m.get("kl_divergence"), "effective_bpe": m.get("effective_bpe"),
                "size_bytes": m.get("size_bytes"), "run_id": run.info.run_id}
         if ERROR in run.data.tags:
             out["error"] = run.data.tags[ERROR]
@@ -1038,14 +1220,17 @@ def compare_text(rows: list[dict]) -> str:
     recovery_cols = [k for k in rows[0] if k.startswith("recovery.")]
     for r in rows[1:]:
         recovery_cols += [k for k in r if k.startswith("recovery.") and k not in recovery_cols]
-    header = ["name", "status", *[c[len("recovery."):] for c in recovery_cols], "median", "bits/elem", "size MB"]
+    header = ["name", "status", *[c[len("recovery."):] for c in recovery_cols], "median", "interval", "KL",
+              "bits/elem", "size MB"]
 
     def num(value: Any, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
 
     cells = [[("* " if r.get("selected") else "  ") + str(r["name"]), str(r.get("status", "")),
               *[num(r.get(c), ".4f") for c in recovery_cols], num(r.get("median_recovery"), ".4f"),
-              num(r.get("effective_bpe"), ".3f"),
+              "-" if r.get("median_recovery_ci_low") is None else
+              f"{r['median_recovery_ci_low']:.4f}-{r['median_recovery_ci_high']:.4f}",
+              num(r.get("kl_divergence"), ".4f"), num(r.get("effective_bpe"), ".3f"),
               num(None if r.get("size_bytes") is None else r["size_bytes"] / 1e6, ".3f")] for r in rows]
     header[0] = "  " + header[0]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]

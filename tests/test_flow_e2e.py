@@ -57,7 +57,7 @@ def test_recipes_ran_concurrently(run):
 def test_recipe_table_published_as_prefect_artifact(run):
     _, _, artifacts, _ = run
     keys = {a.key for a in artifacts}
-    assert {"recipe-table", "qad-pipeline-report"} <= keys
+    assert {"recipe-table-demo-model", "qad-pipeline-report-demo-model", "mlflow-run-demo-model"} <= keys, keys
 
 
 def test_qad_and_export_ran(run):
@@ -97,7 +97,7 @@ def test_mlflow_holds_the_run_and_compare_prints_it(run):
     assert by_name[f"ptq-{GOOD[0]}"].data.metrics["median_recovery"] == pytest.approx(
         read_json(layout.ptq_metrics(GOOD[0]))["median_recovery"])
     version = client.get_model_version_by_alias(info["registered_model"], "candidate")
-    assert version.run_id == by_name["export"].info.run_id
+    assert version.run_id == parent.info.run_id
 
     result = CliRunner().invoke(app, ["compare", "--out-root", str(layout.root), *sum((["--set", o] for o in run_overrides(run)), [])])
     assert result.exit_code == 0, result.output

@@ -58,6 +58,47 @@ def touch(path: Path, t: float) -> None:
     os.utime(path, (t, t))
 
 
+# Each stage process's span as the flow records it (flows/stages.py): (start, end) after t0.
+SPANS = {"calibration": (5, 10.5), "baseline": (15, 61), "selection": (99.5, 100.2), "qad": (150, 200.5),
+         "final_eval": (210, 250.5), "export": (260, 300.5)}
+
+
+def write_usage(layout: Layout, t0: float) -> None:
+    for stage, (start, end) in SPANS.items():
+        write_json(layout.logs / f"{stage}.usage.json", {"stage": stage, "seconds": end - start, "peak_rss_mb": 500.0,
+                                                          "exit_code": 0, "started_at": t0 + start,
+                                                          "finished_at": t0 + end})
+
+
+def settings_of(name: str, bpe: float) -> dict:
+    """A recipe's settings as selection records them, read off the recipe's name."""
+    scale, mamba, kv = name.split("-")
+    return {"algorithm": "max" if scale.endswith("max") else "mse", "weight_scale": scale.split("_", 1)[1],
+            "mamba_format": mamba.split("_", 1)[1], "kv_cache": kv.split("_", 1)[1], "effective_bpe": bpe}
+
+
+def fill_new_fields(layout: Layout, params) -> None:
+    """Fields the selection and final eval write from issue 15 on (intervals, settings, weight
+    error, runner-up), filled in where this checkout's stages do not write them yet."""
+    sel = read_json(layout.selection_metrics)
+    for row in sel["table"]:
+        if row["status"] == "ok":
+            m = read_json(layout.ptq_metrics(row["name"]))
+            median = m["median_recovery"]
+            m.setdefault("median_recovery_ci", [median - 0.012, median + 0.007])
+            m.setdefault("weight_error", {"median": 0.08, "layers": {"model.layers.0.mlp.up_proj": 0.08},
+                                          "worst": [{"layer": "model.layers.0.mlp.up_proj", "error": 0.08}]})
+            write_json(layout.ptq_metrics(row["name"]), m)
+            row.setdefault("median_recovery_ci", m["median_recovery_ci"])
+            row.setdefault("kl_divergence", m["kl_divergence"])
+            row.setdefault("settings", settings_of(row["name"], row["effective_bpe"]))
+        row.setdefault("alias_of", None)
+    others = [r["name"] for r in sel["table"] if r["status"] == "ok" and r["name"] != sel["selected"]]
+    sel.setdefault("runner_up", others[0] if others else None)
+    sel["reason"] += " " + "The runner-up lost on bits per element at a recovery within the interval. " * 8
+    write_json(layout.selection_metrics, sel)
+
+
 def make_params(root: Path, model_dir: Path):
     """params.yaml with the test's model, recipes (two real ones and a broken one) and two secrets:
     the HF token as the model revision, the AWS secret as the calibration dataset config."""
@@ -112,6 +153,8 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     (layout.logs / f"ptq-{BROKEN}.log").write_text("Traceback ...\nValueError: no_such_algorithm\n")
 
     run_selection(params, layout)  # the real stage: metrics/ptq/*.json and metrics/selection.json
+    fill_new_fields(layout, params)
+    write_usage(layout, t0)
     for name in params.ptq.recipes:
         touch(layout.ptq_metrics(name), t0 + 100)
     touch(layout.selection_metrics, t0 + 100)
@@ -132,7 +175,7 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     for t, r in per_task.items():
         qad["tasks"][t]["recovery"] = r
     qad_median = sorted(per_task.values())[1]
-    qad.update({"median_recovery": qad_median, "ptq_median_recovery": ptq["median_recovery"],
+    qad.update({"median_recovery": qad_median, "median_recovery_ci": [qad_median - 0.01, qad_median + 0.005], "ptq_median_recovery": ptq["median_recovery"],
                 "qad_beats_ptq": qad_median > ptq["median_recovery"], "steps": params.qad.steps,
                 "final_loss": losses[-1]["loss"], "first_loss": losses[0]["loss"], "steps_per_second": 0.5})
     qad["table"] = comparison_table(read_json(layout.baseline_metrics), ptq, qad, recipe)
@@ -255,7 +298,7 @@ def test_parent_and_one_child_per_stage_and_recipe(logged):
     # the selection: table + reason as a JSON artifact and as tags
     sel = first["selection"]
     assert parent.data.tags["qad.selected"] == sel["selected"]
-    assert parent.data.tags["qad.selection.reason"] == sel["reason"]
+    assert parent.data.tags["qad.selection.reason"] == tracking.short_reason(sel["reason"])
     sel_file = client.download_artifacts(kids["selection"].info.run_id, "selection.json")
     logged_sel = json.loads(Path(sel_file).read_text())
     assert logged_sel["table"] == sel["table"]
@@ -320,9 +363,11 @@ def test_export_registered_with_candidate_alias_that_moves_to_the_newer_version(
     assert (first["version"], second["version"]) == ("1", "2")
     candidate = client.get_model_version_by_alias(name, "candidate")
     assert str(candidate.version) == "2"
+    assert candidate.run_id == second["run_id"]  # the pipeline run: its page lists the version
+    assert candidate.source.startswith(client.get_run(second["run_id"]).info.artifact_uri)
+    assert client.get_model_version(name, "1").run_id == first["run_id"]
     export_run = children(client, second["run_id"])["export"]
-    assert candidate.run_id == export_run.info.run_id
-    assert client.get_model_version(name, "1").run_id == children(client, first["run_id"])["export"].info.run_id
+    assert export_run.data.tags["registered_model"] == f"models:/{name}/2"
     # models:/<name>@candidate leads to the run's checkpoint artifacts
     monkeypatch.setenv("MLFLOW_TRACKING_URI", logged["uri"])  # models:/ resolves through the default registry
     local = Path(mlflow.artifacts.download_artifacts(f"models:/{name}@candidate"))
@@ -350,6 +395,7 @@ def test_compare_table_reads_back_the_latest_run(logged):
     # an explicit run id (parent or child) gives the older run; the experiment name works too
     older = tracking.compare_table(logged["uri"], f"qad-pipeline/{base}", run_id=first["run_id"])
     assert {r["name"]: r for r in older}["qad"]["median_recovery"] == pytest.approx(first["qad"]["median_recovery"])
+    assert by_name[selected]["median_recovery_ci_low"] == pytest.approx(second["ptq"][selected]["median_recovery_ci"][0])
     text = tracking.compare_text(rows)
     assert f"* {selected}" in text and f"{BROKEN} FAILED" in text and "heldout_cloze" in text
     with pytest.raises(ConfigError, match="no MLflow experiment"):
@@ -514,3 +560,139 @@ def test_postgresql_round_trip(postgres_uri, tmp_path, monkeypatch):
     assert rows[-1]["median_recovery"] == pytest.approx(read_json(layout.qad_metrics)["median_recovery"])
     assert all(r["run_id"] in {c.info.run_id for c in children(MlflowClient(postgres_uri), run_id).values()}
                for r in rows)
+
+
+# -- made for comparison (issue 15) -------------------------------------------------------------------
+
+
+def test_stage_runs_span_their_process_times(logged):
+    client, first = logged["client"], logged["runs"][0]
+    kids = children(client, first["run_id"])
+    for stage, (start, end) in SPANS.items():
+        run = kids[stage]
+        assert run.info.start_time == int(1000 * (first["t0"] + start)), stage
+        assert run.info.end_time == int(1000 * (first["t0"] + end)), stage
+        assert run.info.end_time - run.info.start_time > 0, stage
+
+
+def test_stage_span_falls_back_to_the_output_time_when_the_usage_file_is_of_another_run(tmp_path):
+    layout = Layout(tmp_path)
+    out = tmp_path / "metrics" / "selection.json"
+    write_json(out, {})
+    touch(out, 2_000.0)
+    write_json(layout.logs / "selection.usage.json", {"started_at": 1_000.0, "finished_at": 1_001.0})
+    assert tracking.stage_span(layout, "selection", out) == (2_000_000, 2_000_000)
+    write_json(layout.logs / "selection.usage.json", {"seconds": 30.0})  # an older usage file: no times
+    touch(layout.logs / "selection.usage.json", 2_001.0)
+    assert tracking.stage_span(layout, "selection", out) == (1_971_000, 2_001_000)
+
+
+def test_recipe_settings_are_params_of_each_recipe_run(logged):
+    client, first = logged["client"], logged["runs"][0]
+    kids = children(client, first["run_id"])
+    rows = {r["name"]: r for r in first["selection"]["table"]}
+    for recipe in GOOD:
+        params = kids[f"ptq-{recipe}"].data.params
+        assert params["recipe"] == recipe
+        assert params == {"recipe": recipe, **{k: str(v) for k, v in rows[recipe]["settings"].items()}}
+        for key in ("weight_scale", "mamba_format", "kv_cache", "effective_bpe"):
+            assert key in params
+        metrics = kids[f"ptq-{recipe}"].data.metrics
+        low, high = first["ptq"][recipe]["median_recovery_ci"]
+        assert (metrics["median_recovery_ci_low"], metrics["median_recovery_ci_high"]) == pytest.approx((low, high))
+        assert metrics["weight_error.median"] == pytest.approx(first["ptq"][recipe]["weight_error"]["median"])
+
+
+def test_parent_metrics_hold_the_selected_and_the_qad_recovery(logged):
+    client, first = logged["client"], logged["runs"][0]
+    m = client.get_run(first["run_id"]).data.metrics
+    ptq = first["ptq"][first["selection"]["selected"]]
+    assert m["selected.median_recovery"] == pytest.approx(ptq["median_recovery"])
+    assert (m["selected.median_recovery_ci_low"], m["selected.median_recovery_ci_high"]) == pytest.approx(
+        tuple(ptq["median_recovery_ci"]))
+    assert m["selected.kl_divergence"] == pytest.approx(ptq["kl_divergence"])
+    assert m["selected.effective_bpe"] == pytest.approx(ptq["effective_bpe"])
+    qad = first["qad"]
+    assert m["qad.median_recovery"] == pytest.approx(qad["median_recovery"])
+    assert (m["qad.median_recovery_ci_low"], m["qad.median_recovery_ci_high"]) == pytest.approx(
+        tuple(qad["median_recovery_ci"]))
+    assert m["qad.kl_divergence"] == pytest.approx(qad["kl_divergence"])
+    # the delivered model's numbers under the recipe runs' own keys: one runs-table column for all
+    assert m["median_recovery"] == pytest.approx(qad["median_recovery"])
+    assert m["median_recovery_ci_low"] == pytest.approx(qad["median_recovery_ci"][0])
+    assert m["effective_bpe"] == pytest.approx(first["export"]["effective_bpe"])
+
+
+def _tables(markdown: str) -> list[list[list[str]]]:
+    """The tables of a GitHub-flavoured Markdown text as parsed, each a list of rows of cells."""
+    from markdown_it import MarkdownIt
+
+    tokens = MarkdownIt("commonmark").enable("table").parse(markdown)
+    tables, row = [], None
+    for tok in tokens:
+        if tok.type == "table_open":
+            tables.append([])
+        elif tok.type == "tr_open":
+            row = []
+        elif tok.type == "inline" and row is not None:
+            row.append(tok.content)
+        elif tok.type == "tr_close":
+            tables[-1].append(row)
+            row = None
+    return tables
+
+
+def test_run_description_is_markdown_with_tables_and_the_full_reason_is_an_artifact(logged):
+    client, first = logged["client"], logged["runs"][0]
+    parent = client.get_run(first["run_id"])
+    note = parent.data.tags["mlflow.note.content"]
+    headline, recipes = _tables(note)
+    assert [len(r) for r in headline] == [6] * 3  # header, selected PTQ, QAD
+    assert headline[1][1] == first["selection"]["selected"]
+    assert headline[2][2] == f"{100 * first['qad']['median_recovery']:.2f}"  # rounded, not 0.98765432
+    assert len({len(r) for r in recipes}) == 1 and len(recipes) == 1 + 1 + 3  # header, bf16, recipes
+    assert f"{BROKEN} FAILED" in note and "★ selected" in note
+    reason = first["selection"]["reason"]
+    assert len(reason) > 300 and len(parent.data.tags["qad.selection.reason"]) < 300
+    logged_reason = Path(client.download_artifacts(first["run_id"], "selection_reason.txt")).read_text()
+    assert logged_reason == reason
+    report = Path(client.download_artifacts(first["run_id"], "report.md")).read_text()
+    assert len(_tables(report)) >= 3
+
+
+def test_registered_version_describes_the_exported_model(logged):
+    client, second = logged["client"], logged["runs"][1]
+    name = tracking.registered_model_name(logged["params"].base_model.path)
+    version = client.get_model_version(name, second["version"])
+    qad = second["qad"]
+    assert f"{100 * qad['median_recovery']:.2f} %" in version.description
+    assert f"{100 * qad['ptq_median_recovery']:.2f} %" in version.description
+    assert "1" * 40 in version.description  # the git commit of the second run
+    assert second["manifest"]["calibration"]["fingerprint"] in version.description
+    assert second["manifest"]["eval"]["fingerprint"] in version.description
+    assert fp("model") in version.description
+    assert float(version.tags["median_recovery"]) == pytest.approx(qad["median_recovery"])
+    assert version.tags["git_commit"] == "1" * 40
+    assert version.tags["eval.fingerprint"] == second["manifest"]["eval"]["fingerprint"]
+    rows = _tables(version.description)[0]
+    assert [len(r) for r in rows] == [4, 4, 4]
+
+
+def test_run_url_points_at_the_server_or_the_local_ui():
+    assert tracking.run_url("http://mlflow.example:5000/", "3", "abc") == "http://mlflow.example:5000/#/experiments/3/runs/abc"
+    assert tracking.run_url("sqlite:////x/mlflow.db", "3", "abc") == "http://127.0.0.1:5000/#/experiments/3/runs/abc"
+
+
+def test_an_alias_recipe_run_has_the_metrics_of_the_recipe_it_equals_and_no_duration(tmp_path):
+    params = make_params(tmp_path, tmp_path)
+    layout = Layout(tmp_path)
+    ran, alias = GOOD[0], "nvfp4_max-mamba_w4a16-kv_fp8"
+    write_json(layout.ptq_metrics(ran), {"recipe": ran, "status": "ok", "median_recovery": 0.98,
+                                         "median_recovery_ci": [0.97, 0.99], "effective_bpe": 4.75,
+                                         "started_at": 1000.0, "finished_at": 1030.0})
+    write_json(layout.selection_metrics, {"table": []})
+    row = {"name": alias, "status": "alias", "alias_of": ran, "settings": settings_of(alias, 4.75)}
+    child = tracking._ptq_child(layout, params, alias, row)
+    assert child.status == "FINISHED" and child.tags["alias_of"] == ran
+    assert child.metrics["median_recovery"] == 0.98 and child.metrics["median_recovery_ci_high"] == 0.99
+    assert child.params["mamba_format"] == "w4a16" and child.start_ms == child.end_ms

@@ -1,0 +1,67 @@
+"""What the flow shows in the Prefect UI besides its task runs: the recipe table, the report and
+the link to the run's MLflow run, as artifacts keyed per base model, and the flow run's tags.
+
+Prefect artifact keys are lowercase letters, digits and dashes, and a key is shared by every flow
+run that publishes it (the Artifacts page shows its latest version); so each key ends in the base
+model's slug (`recipe-table-demo-model`) and one base model's run does not replace another's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from qad_pipeline import tracking
+from qad_pipeline.layout import Layout
+from qad_pipeline.report import report_markdown
+
+
+def artifact_key(name: str, params) -> str:
+    """`<name>-<base model slug>`, e.g. `recipe-table-demo-model` for base_model.path demo/model:
+    the registered model's name (`registered_model_name`) folded into a valid Prefect key."""
+    stem = tracking.registered_model_name(params.base_model.path).removesuffix(tracking.MODEL_SUFFIX)
+    words = "".join(c if c.isascii() and c.isalnum() else "-" for c in stem.lower()).split("-")
+    return f"{name}-{'-'.join(w for w in words if w)}"[:200].rstrip("-")
+
+
+def publish_recipe_table(params, summary: dict) -> None:
+    """The recipe table (`report.recipe_rows`): an empty cell, not "null", where a value is missing."""
+    chosen = summary["selection"]
+    rows = [{k: "" if v is None else v for k, v in r.items()} for r in summary["recipes"]]
+    create_table_artifact(key=artifact_key("recipe-table", params), table=rows,
+                          description=f"Selected: {chosen['selected'] or 'none'}. {chosen['reason']}")
+
+
+def publish_report(params, summary: dict) -> None:
+    create_markdown_artifact(key=artifact_key("qad-pipeline-report", params), markdown=report_markdown(summary))
+
+
+def link_tracking(layout: Layout, params, run_id: str) -> None:
+    """Tag the flow run with its MLflow run (`mlflow`, `mlflow-run:<id>`), publish a link to that
+    run (`mlflow-run-<slug>`), and tag the MLflow run with the flow run's page
+    (`prefect.flow_run_url`) when the flow talks to a Prefect server of its own (PREFECT_API_URL;
+    a temporary server's page is gone after the run). A failure here is logged; it never stops
+    the pipeline."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+    from prefect.utilities.urls import url_for
+
+    try:
+        uri = tracking.tracking_uri(layout.root)
+        store = tracking.client_for(uri)
+        url = tracking.run_url(uri, store.get_run(run_id).info.experiment_id, run_id)
+        page = url_for("flow-run", obj_id=flow_run.id) if flow_run.id and os.environ.get("PREFECT_API_URL") else None
+        if page:
+            store.set_tag(run_id, "prefect.flow_run_url", page)
+        if flow_run.id:
+            with get_client(sync_client=True) as client:
+                tags = client.read_flow_run(flow_run.id).tags
+                client.update_flow_run(flow_run.id, tags=sorted({*tags, "mlflow", f"mlflow-run:{run_id}"}))
+        shown = tracking.redact_text(uri)
+        ui = "" if url.startswith(shown.rstrip("/")) else f" (start the UI with `mlflow ui --backend-store-uri {shown}`)"
+        create_link_artifact(key=artifact_key("mlflow-run", params), link=url, link_text=f"MLflow run {run_id}",
+                             description=f"This flow run's MLflow run in {shown}{ui}")
+    except Exception as err:  # noqa: BLE001  (a missing link must never cost the pipeline its results)
+        get_run_logger().warning("could not link the flow run to MLflow run %s (%s)", run_id, err)
