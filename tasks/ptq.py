@@ -172,7 +172,7 @@ def recipe_settings(model, recipe_path: Path) -> dict:
             if proj is not None and hasattr(proj, "weight_quantizer"):
                 weights = quantizer_format(proj.weight_quantizer, proj.weight.dtype)
                 acts = quantizer_format(getattr(proj, "input_quantizer", None), torch.bfloat16)
-                mamba_formats.add(f"{weights.name} W{weights.bits}A{acts.bits}")
+                mamba_formats.add(f"{weights.name} W{weights.element_bits}A{acts.element_bits}")
     return {
         "algorithm": str(method),
         "weight_scale": "four_over_six" if four_over_six else str(method),
