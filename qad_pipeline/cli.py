@@ -97,9 +97,9 @@ def _quiet_libraries():
 def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True) -> None:
     """Every check that needs no model weights, before any stage process starts; a failure is one
     `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
-    recipe (its file, loaded and validated by Model Optimizer), the base model's config and sequence
-    lengths, the eval tasks, (with `memory`) the memory plan against this machine's free memory,
-    the base model's weight files (headers and sizes, no tensors), and the calibration text
+    recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
+    and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
+    memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
     (exists, decodes, yields the samples asked for). Value ranges across keys are checked when
     params.yaml is loaded."""
     from qad_pipeline import tracking as mlflow_tracking
@@ -113,14 +113,14 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
         mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
     check_recipes(params)
     with _quiet_libraries():
-        for name in params.ptq.recipes:
-            check_recipe(params.recipe_path(name))
         check_base_model(
             params.base_model,
             {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
              "qad.seq_len": params.qad.seq_len},
         )
         check_tasks(params.eval)
+        for name in params.ptq.recipes:  # before the memory plan, which reads them
+            check_recipe(params.recipe_path(name))
         if memory:
             check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
         check_model_files(params.base_model)
