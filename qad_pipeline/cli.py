@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -25,6 +26,7 @@ from qad_pipeline.config import (
     load_params,
 )
 from qad_pipeline.layout import Layout, output_root
+from qad_pipeline.runlock import TOKEN_ENV, run_lock
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 
@@ -57,29 +59,72 @@ class Stage(str, Enum):
 
 def resolve_params(params_file: Path, overrides: list[str] | None, base_model: str | None) -> Params:
     items = list(overrides or [])
-    if base_model:
+    if base_model is not None:
+        if not base_model.strip():
+            raise ConfigError("--base-model is empty: give a local model folder or a hub id such as 'org/name'")
         items.append(f"base_model.path={base_model}")
     return load_params(params_file, items)
 
 
-def preflight(params: Params, out_root: Path, memory: bool = True) -> None:
-    """Every check that needs no model weights: recipes, base model, sequence lengths, tasks, MLflow,
-    and (with `memory`) the memory plan against this machine's free memory."""
-    from qad_pipeline import tracking
-    from qad_pipeline.memory import check_fits, plan
-    from qad_pipeline.modeling import check_base_model
-    from qad_pipeline.tasks.evaluate import check_tasks
+@contextmanager
+def _quiet_libraries():
+    """While the preflight reads the inputs, the libraries keep their notices to themselves (datasets'
+    progress bars, transformers' and Model Optimizer's warnings at import, the note that NVFP4 runs
+    emulated, which every stage process that quantizes prints in its own log): a refusal is one line."""
+    import logging
+    import warnings
 
-    tracking.check_reachable(tracking.tracking_uri(out_root))
+    import datasets
+    import transformers
+
+    bars, verbosity = datasets.is_progress_bar_enabled(), transformers.logging.get_verbosity()
+    emulation_note = logging.getLogger("qad_pipeline.nvfp4_cpu")
+    note_level = emulation_note.level
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    emulation_note.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        emulation_note.setLevel(note_level)
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True) -> None:
+    """Every check that needs no model weights, before any stage process starts; a failure is one
+    `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
+    recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
+    and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
+    memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
+    (exists, decodes, yields the samples asked for). Value ranges across keys are checked when
+    params.yaml is loaded."""
+    from qad_pipeline import tracking as mlflow_tracking
+    from qad_pipeline.memory import check_fits, plan
+    from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
+    from qad_pipeline.tasks.calibration import check_calibration
+    from qad_pipeline.tasks.evaluate import check_tasks
+    from qad_pipeline.tasks.ptq import check_recipe
+
+    if tracking:
+        mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
     check_recipes(params)
-    check_base_model(
-        params.base_model,
-        {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
-         "qad.seq_len": params.qad.seq_len},
-    )
-    check_tasks(params.eval)
-    if memory:
-        check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
+    with _quiet_libraries():
+        check_base_model(
+            params.base_model,
+            {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
+             "qad.seq_len": params.qad.seq_len},
+        )
+        check_tasks(params.eval)
+        for name in params.ptq.recipes:  # before the memory plan, which reads them
+            check_recipe(params.recipe_path(name))
+        if memory:
+            check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
+        check_model_files(params.base_model)
+        check_calibration(params, load_tokenizer(params.base_model))
 
 
 def _fail(err: Exception) -> None:
@@ -143,10 +188,10 @@ def stage(
                 raise ConfigError(f"stage ptq needs a recipe name: one of {params.ptq.recipes}")
             if recipe not in params.ptq.recipes:
                 raise ConfigError(f"unknown recipe {recipe!r}: ptq.recipes lists {params.ptq.recipes}")
-            check_recipes(params)
+        if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it
+            preflight(params, output_root(out_root, params_file), memory=False, tracking=False)
     except ConfigError as err:
         _fail(err)
-    from qad_pipeline.runlock import run_lock
 
     layout = Layout(output_root(out_root, params_file))
     what = f"run stage {name.value}" + (f" {recipe}" if recipe else "")

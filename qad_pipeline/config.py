@@ -40,6 +40,13 @@ class BaseModelParams(_Section):
     trust_remote_code: bool = False
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
 
+    @field_validator("path")
+    @classmethod
+    def _not_empty(cls, path: str) -> str:
+        if not path.strip():
+            raise ValueError("base_model.path is empty: give a local model folder or a hub id such as 'org/name'")
+        return path
+
 
 class HardwareParams(_Section):
     """Where every stage's models run: one setting for baseline, PTQ, QAD, final eval and export."""
@@ -110,15 +117,17 @@ class EvalParams(_Section):
 
 
 class SelectionParams(_Section):
+    """Recoveries are fractions of the BF16 score: the band and the PTQ-final floor lie in (0, 1]."""
+
     policy: Literal["qad", "ptq_final"]
     band: tuple[float, float]
-    ptq_final_min: float = Field(gt=0)
+    ptq_final_min: float = Field(gt=0, le=1)
 
     @field_validator("band")
     @classmethod
     def _ordered(cls, band: tuple[float, float]) -> tuple[float, float]:
-        if not 0 < band[0] <= band[1]:
-            raise ValueError(f"band must be [low, high] with 0 < low <= high, got {list(band)}")
+        if not 0 < band[0] <= band[1] <= 1:
+            raise ValueError(f"band must be [low, high] with 0 < low <= high <= 1, got {list(band)}")
         return band
 
 
@@ -165,12 +174,33 @@ def resolve(path: str | Path, root: Path | None = None) -> Path:
     return p if p.is_absolute() else (root or project_root()) / p
 
 
+def yaml_error(err: yaml.YAMLError, source: str, column_offset: int = 0) -> str:
+    """One line for a YAML syntax error: the source, line and column (1-based) and the problem."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    column = mark.column + 1 + (column_offset if mark.line == 0 else 0) if mark else 0
+    where = f"line {mark.line + 1}, column {column}" if mark else "an unknown position"
+    return f"{source}: invalid YAML at {where}: {problem}"
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's data; a syntax error is a `ConfigError` naming the file, line and column."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(yaml_error(err, str(path))) from None
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     """`section.key=value` -> (["section", "key"], value), the value parsed as YAML."""
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:  # the column counts from the start of the whole item
+        raise ConfigError(yaml_error(err, f"--set {item!r}", column_offset=len(key) + 1)) from None
+    return key.strip().split("."), value
 
 
 def apply_overrides(data: dict, overrides: list[str] | dict[str, Any]) -> dict:
@@ -214,7 +244,10 @@ def load_params(
     if not Path(path).is_file():
         raise ConfigError(f"params file {str(path)!r} does not exist (run from the project folder or pass --params)")
     _params_root = Path(path).resolve().parent
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = read_yaml(path) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (base_model:, calibration:, ...), "
+                          f"found a {type(data).__name__}")
     if overrides:
         data = apply_overrides(data, overrides)
     try:

@@ -2,7 +2,8 @@
 
 `check_base_model` reads only the model's config (cheap, no weights) and fails with one clear line
 when the path does not exist, the model is not a causal LM, or a sequence length exceeds the
-model's maximum. `load_model` then loads the weights in the configured dtype, where the
+model's maximum; `check_model_files` reads a local folder's weight files' headers (no tensors) and
+refuses a truncated file or one that does not match its index. `load_model` then loads the weights in the configured dtype, where the
 `hardware` section says: every stage (baseline, PTQ, QAD, final eval, export) loads through it.
 
 Placement (`hardware.device`, `hardware.device_map`, `hardware.max_memory`):
@@ -23,6 +24,7 @@ model spread by `device_map: auto`; accelerate's hooks move activations between 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -85,6 +87,51 @@ def check_base_model(params: BaseModelParams, seq_lens: dict[str, int]) -> None:
     for name, value in seq_lens.items():
         if limit is not None and value > limit:
             raise ConfigError(f"{name} = {value} exceeds the model's maximum sequence length {limit}")
+
+
+def check_model_files(params: BaseModelParams) -> None:
+    """A local base model folder's weight files are whole (`check_weights`); hub ids are not read here."""
+    folder = Path(model_location(params))
+    if folder.is_dir():
+        check_weights(folder)
+
+
+def check_weights(folder: Path) -> None:
+    """The safetensors weight files of a local model folder are whole and match their index.
+
+    safetensors' own `safe_open` reads each file's header (memory-mapped, no tensor is loaded) and
+    refuses a file whose size does not cover the data offsets the header lists (a truncated file);
+    with `model.safetensors.index.json` every file it names must exist and hold the tensors it
+    assigns to it. Folders with only PyTorch `.bin` weights are not checked (they are pickles).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    index_file = folder / "model.safetensors.index.json"
+    weight_map: dict[str, str] = {}
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ConfigError(f"model index {index_file} is not a safetensors index with a weight_map ({err})") from None
+    files = sorted(set(weight_map.values())) if weight_map else sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        if not any(folder.glob("*.bin")):
+            raise ConfigError(f"base model folder {folder} holds no weight files (*.safetensors or *.bin)")
+        return
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise ConfigError(f"model weights {path} are missing: {index_file.name} lists them")
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                keys = set(handle.keys())
+        except (SafetensorError, OSError) as err:
+            raise ConfigError(f"model weights {path} ({path.stat().st_size} bytes) are unreadable: {err} "
+                              "(a truncated or corrupted file? download or copy it again)") from None
+        missing = sorted(t for t, f in weight_map.items() if f == name and t not in keys)
+        if missing:
+            raise ConfigError(f"model weights {path} lack {len(missing)} tensor(s) that {index_file.name} assigns "
+                              f"to them, e.g. {missing[0]!r}")
 
 
 def load_tokenizer(params: BaseModelParams):

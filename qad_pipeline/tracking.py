@@ -28,7 +28,8 @@ What goes where:
   the git commit and the data fingerprints.
 
 Every param and tag value, and every JSON/text artifact, passes through `redact`/`redact_text`:
-values under a key named like a secret (token, secret, password, key) and the values of such
+values under a key named like a secret (a word of it ends with token, secret, password, key or
+credential: `HF_TOKEN`, `api_key`, not `tokenizer`) and the values of such
 environment variables (`HF_TOKEN`, `AWS_SECRET_ACCESS_KEY`, ...) never reach the tracking store.
 
 The default store is a SQLite file in the output root (`sqlite:///<root>/mlflow.db`, no server to
@@ -67,7 +68,12 @@ MODEL_SUFFIX = "-nvfp4"
 CANDIDATE_ALIAS = "candidate"
 CHECKPOINT_ARTIFACT = "checkpoint"
 REDACTED = "***"
-SECRET_NAME = re.compile(r"token|secret|password|passwd|key|credential", re.IGNORECASE)
+# A name is split into words (at '_', '.', '-', digits and camelCase humps); it is secret-like when a
+# word ends with one of these: HF_TOKEN, api_key, apiKey, AWS_SECRET_ACCESS_KEY, db.password,
+# accesstoken; not tokenizer, tokens_per_step or keyframes.
+SECRET_WORD = re.compile(r"(token|secrets?|password|passwd|key|credentials?)$")
+NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
+MLFLOW_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # the cheapest read of MLflow's REST API
 MIN_SECRET_LENGTH = 6  # environment values shorter than this are not scrubbed out of text
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s:]*(?::[^/@\s]*)?@")
 STAGES = ("calibration", "baseline", "ptq", "selection", "qad", "final_eval", "export")
@@ -148,7 +154,9 @@ def _check_db_driver(uri: str, shown: str) -> None:
 def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
     """Fail fast, with one `ConfigError` naming the URI, when the tracking store cannot be reached.
 
-    http(s): the server must answer an HTTP request (any status) within `timeout_s`.
+    http(s): the server must answer MLflow's REST API (`GET /api/2.0/mlflow/experiments/search`) with
+    a JSON object within `timeout_s`; any other answer (a 404 from some other web server) is refused,
+    except 401/403 (an authenticating front: MLflow's client sends the MLFLOW_TRACKING_* credentials).
     postgresql/mysql/mssql: the database driver must be importable and the host's port must
     accept a TCP connection. sqlite: the database file's folder must exist or be creatable.
     Other schemes (file, databricks, plugins) are not checked.
@@ -159,17 +167,28 @@ def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
     base = scheme.split("+", 1)[0]
     hint = "start it, or unset MLFLOW_TRACKING_URI to log into sqlite:///<out-root>/mlflow.db"
     if scheme in ("http", "https"):
-        url = uri.rstrip("/") + "/health"
+        not_mlflow = (f"MLflow tracking server {shown} answers but is not an MLflow tracking server ({{}} on "
+                      f"GET {MLFLOW_PROBE}); point MLFLOW_TRACKING_URI at an `mlflow server`, or unset it to log "
+                      "into sqlite:///<out-root>/mlflow.db")
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s):  # noqa: S310 (the user's own URI)
+            with urllib.request.urlopen(uri.rstrip("/") + MLFLOW_PROBE, timeout=timeout_s) as answer:  # noqa: S310
+                body = answer.read(1 << 16)
+        except urllib.error.HTTPError as err:
+            if err.code in (401, 403):  # an authenticating front; MLflow's client sends MLFLOW_TRACKING_* credentials
                 return
-        except urllib.error.HTTPError:
-            return  # it answered: reachable (whatever /health means to that server)
+            raise ConfigError(not_mlflow.format(f"HTTP {err.code}")) from None
         except (urllib.error.URLError, OSError, ValueError) as err:
             reason = getattr(err, "reason", err)
             raise ConfigError(
                 f"MLflow tracking server {shown} cannot be reached ({reason}) within {timeout_s:g}s; {hint}"
             ) from None
+        try:
+            answer_is_json_object = isinstance(json.loads(body), dict)
+        except ValueError:
+            answer_is_json_object = False
+        if not answer_is_json_object:
+            raise ConfigError(not_mlflow.format("an answer that is not MLflow's JSON"))
+        return
     if base in DEFAULT_DB_PORTS:
         _check_db_driver(uri, shown)
         if parsed.hostname:
@@ -210,8 +229,8 @@ def registered_model_name(base_model_path: str) -> str:
 
 
 def is_secret_name(key: str) -> bool:
-    """A key named like a secret: token, secret, password, key (case-insensitive, anywhere)."""
-    return bool(SECRET_NAME.search(str(key)))
+    """A key named like a secret: one of its words ends with token, secret, password, key or credential."""
+    return any(SECRET_WORD.search(word.lower()) for word in NAME_WORDS.findall(str(key)))
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -10,12 +10,17 @@ shuffle, into a calibration part and a held-out eval part that never share a doc
     <out>/manifest.json    source, document split, counts and content fingerprints
 
 Everything is deterministic given the seed, so the fingerprints change only when the data does.
+`prepare_calibration` does all of it but the writing; the preflight (`check_calibration`) runs it
+on local sources before any stage starts, so a missing source, too few documents or samples, or
+undecodable text is refused up front. Decoding policy: local text must be UTF-8; a file that is not
+is refused with its name and the offset of the first bad byte (nothing is replaced or skipped).
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -27,6 +32,19 @@ from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Para
 CONTEXT_WORDS = 40
 
 
+def check_utf8(files: list[str], what: str = "calibration.source") -> None:
+    """Every file decodes as UTF-8; the first that does not is named with the offset of its bad byte."""
+    for name in files:
+        data = Path(name).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(
+                f"{what} file {name}: byte {err.start} (0x{data[err.start]:02x}) is not UTF-8 ({err.reason}); "
+                "the text must be UTF-8 (convert it, e.g. iconv -f latin1 -t utf-8)"
+            ) from None
+
+
 def read_documents(params: CalibrationParams) -> list[str]:
     """The source's documents, in a stable order, empty ones dropped."""
     local = resolve(params.source)
@@ -34,15 +52,17 @@ def read_documents(params: CalibrationParams) -> list[str]:
         files = sorted(str(p) for p in local.rglob("*.txt"))
         if not files:
             raise ConfigError(f"calibration.source {params.source!r} holds no .txt files")
+        check_utf8(files)
         ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train")
         field = "text"
     elif local.is_file():
+        check_utf8([str(local)])
         if local.suffix in (".json", ".jsonl"):
             ds, field = datasets.load_dataset("json", data_files=str(local), split="train"), params.text_field
         else:
             ds = datasets.load_dataset("text", data_files=str(local), sample_by="paragraph", split="train")
             field = "text"
-    elif params.source.startswith((".", "/", "~")) or params.source.count("/") > 1:
+    elif is_local_source(params.source):
         raise ConfigError(f"calibration.source {params.source!r} does not exist (a local path or a hub dataset id)")
     else:
         ds = datasets.load_dataset(params.source, params.dataset_config, split=params.split)
@@ -134,8 +154,21 @@ def write_jsonl(path: Path, rows: list[dict]) -> bytes:
     return data
 
 
-def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
-    """Stage core: documents -> calibration samples + held-out eval data, written to out_dir."""
+@dataclass(frozen=True)
+class CalibrationData:
+    """What the calibration stage writes, in memory."""
+
+    documents: int
+    calib_idx: list[int]
+    eval_idx: list[int]
+    calib: np.ndarray
+    ppl: np.ndarray
+    cloze: list[dict]
+    cont: list[dict]
+
+
+def prepare_calibration(params: Params, tokenizer) -> CalibrationData:
+    """Documents -> calibration samples + held-out eval data, nothing written."""
     cal: CalibrationParams = params.calibration
     ev: EvalParams = params.eval
     docs = read_documents(cal)
@@ -153,23 +186,48 @@ def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
         raise ConfigError(f"the held-out eval documents are shorter than eval.seq_len = {ev.seq_len} tokens")
     cloze = cloze_items(eval_docs, ev.num_cloze, cal.seed)
     cont = continuation_items(eval_docs, ev.num_continuation, cal.seed)
+    return CalibrationData(len(docs), calib_idx, eval_idx, calib, ppl, cloze, cont)
+
+
+def is_local_source(source: str) -> bool:
+    """A local path (existing or written like one), not a hub dataset id."""
+    return resolve(source).exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
+
+
+def check_calibration(params: Params, tokenizer) -> None:
+    """Preflight: a local calibration source (and a local qad.source) yields what the stages need.
+
+    Hub dataset ids are left to the calibration stage: checking them would mean downloading them.
+    """
+    if is_local_source(params.calibration.source):
+        prepare_calibration(params, tokenizer)
+    if params.qad.source is not None and is_local_source(params.qad.source):
+        read_documents(params.calibration.model_copy(update={"source": params.qad.source}))
+
+
+def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
+    """Stage core: documents -> calibration samples + held-out eval data, written to out_dir."""
+    cal: CalibrationParams = params.calibration
+    ev: EvalParams = params.eval
+    data = prepare_calibration(params, tokenizer)
+    calib, ppl = data.calib, data.ppl
 
     with staged_dir(out_dir) as tmp:
         datasets.Dataset.from_dict({"input_ids": calib.tolist()}).save_to_disk(str(tmp / "calibration"))
         (tmp / "eval").mkdir()
         datasets.Dataset.from_dict({"input_ids": ppl.tolist()}).save_to_disk(str(tmp / "eval" / "ppl"))
-        cloze_bytes = write_jsonl(tmp / "eval" / "heldout_cloze.jsonl", cloze)
-        cont_bytes = write_jsonl(tmp / "eval" / "heldout_continuation.jsonl", cont)
+        cloze_bytes = write_jsonl(tmp / "eval" / "heldout_cloze.jsonl", data.cloze)
+        cont_bytes = write_jsonl(tmp / "eval" / "heldout_continuation.jsonl", data.cont)
         manifest = {
             "source": cal.source,
-            "documents": len(docs),
-            "calibration_documents": calib_idx,
-            "eval_documents": eval_idx,
+            "documents": data.documents,
+            "calibration_documents": data.calib_idx,
+            "eval_documents": data.eval_idx,
             "calibration": {"samples": int(len(calib)), "seq_len": cal.seq_len,
                             "fingerprint": fingerprint([calib.tobytes()])},
             "eval": {
                 "ppl_samples": int(len(ppl)), "seq_len": ev.seq_len,
-                "heldout_cloze": len(cloze), "heldout_continuation": len(cont),
+                "heldout_cloze": len(data.cloze), "heldout_continuation": len(data.cont),
                 "fingerprint": fingerprint([ppl.tobytes(), cloze_bytes, cont_bytes]),
             },
             "tokenizer": params.base_model.path,

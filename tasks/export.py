@@ -22,6 +22,7 @@ checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores:
 from __future__ import annotations
 
 import re
+import shutil
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -161,16 +162,23 @@ def dequantized_state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor]):
-    """Load the export back as a plain BF16 model: dequantized weights, quantization config dropped."""
+def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor], trust_remote_code: bool = False):
+    """Load the export back as a plain BF16 model: dequantized weights, quantization config dropped.
+
+    With `trust_remote_code` (base_model.trust_remote_code) the model's own code files that the
+    export carries go along, and transformers may run them.
+    """
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         config = read_json(folder / "config.json")
         config.pop("quantization_config", None)
         write_json(Path(tmp) / "config.json", config)
+        if trust_remote_code:
+            for code in folder.glob("*.py"):
+                shutil.copy2(code, tmp)
         save_file(dequantized_state_dict(tensors), str(Path(tmp) / "model.safetensors"))
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16, trust_remote_code=trust_remote_code)
     model.config.use_cache = False
     return model.eval()
 
@@ -194,14 +202,15 @@ def weight_only_logits(student, batch: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor) -> dict:
+def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor,
+                 trust_remote_code: bool = False) -> dict:
     """(c) The reloaded export reproduces the student's weight-only next-token distribution.
 
     Judged by the mean KL divergence per token (and reported with top-1 agreement and the largest
     logit difference): the export re-derives some global scales from the weights where the
     fake-quantized student uses its calibrated ones, so it is close to, not bit-equal with, it.
     """
-    reloaded = reload_dequantized(folder, tensors)(input_ids=batch).logits.float()
+    reloaded = reload_dequantized(folder, tensors, trust_remote_code)(input_ids=batch).logits.float()
     ref_lp, got_lp = torch.log_softmax(reference, -1), torch.log_softmax(reloaded, -1)
     kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).mean().item()
     return {"passed": kl <= KL_TOLERANCE, "kl_divergence": kl, "tolerance": KL_TOLERANCE,
@@ -303,7 +312,7 @@ def run_export(params: Params, layout: Layout) -> dict:
         checks = {
             "formats": check_formats(expected["layer_formats"], tensors, quant_config),
             "size": check_size(expected["effective_bpe"], tensors),
-            "reload": check_reload(tmp, tensors, reference, batch),
+            "reload": check_reload(tmp, tensors, reference, batch, params.base_model.trust_remote_code),
         }
         size_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
         serving = serving_notes(quant_config, layout.export)

@@ -21,13 +21,16 @@ or runs out of memory takes only itself down.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from qad_pipeline.artifacts import staged_dir, write_json
-from qad_pipeline.config import Params
+from qad_pipeline.config import ConfigError, Params, yaml_error
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration
@@ -42,6 +45,30 @@ def load_quantize_config(recipe_path: Path):
     if quantize is None:
         raise ValueError(f"{recipe_path} is not a PTQ recipe (no 'quantize' section)")
     return quantize
+
+
+def check_recipe(recipe_path: Path) -> None:
+    """Load and validate one recipe file as `run_ptq` will, before any work: a `ConfigError` naming the
+    file and its problem (invalid YAML, not a PTQ recipe, a format or field Model Optimizer rejects).
+
+    The algorithm name is not checked here: Model Optimizer resolves it only inside `mtq.quantize`.
+    """
+    from pydantic import ValidationError
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # load_recipe prints "[load_recipe] loading: ..."
+            load_quantize_config(recipe_path)
+    except yaml.YAMLError as err:
+        raise ConfigError(yaml_error(err, f"recipe {recipe_path}")) from None
+    except (ValueError, TypeError) as err:
+        cause = err.__cause__
+        if isinstance(cause, ValidationError):  # the config does not match Model Optimizer's schema
+            first = cause.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("function-", "list[")))
+            problem = f"{loc or 'recipe'}: {first['msg']}"
+        else:
+            problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"recipe {recipe_path}: not a valid Model Optimizer PTQ recipe: {problem}") from None
 
 
 def tied_embeddings(model) -> bool:

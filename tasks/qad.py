@@ -40,7 +40,8 @@ to DDP on CPU, so a CPU test through it would not exercise the sharded path at a
 Writes `<out>/model/` (the QAD student, with its quantizer state) and `<out>/loss.json`.
 Checkpoints (`save_checkpoint`): every `qad.checkpoint_every` steps `<checkpoints>/last/` gets the
 student's and AdamW's state through torch.distributed.checkpoint (each process writes its own
-shard to `weights/`) and `state.pt` (step, loss curve, schedule, run key), whole or not at all.
+shard to `weights/`) and `state.pt` (step, loss curve, schedule, run key: tensors and plain values
+only, loaded back with `weights_only=True`), whole or not at all.
 Re-running after a crash resumes from it, with any number of processes (the checkpoint reader
 reshards), as long as the training parameters and the student are the same. A NaN or infinite
 loss stops training with the step named, keeping the last good checkpoint.
@@ -52,6 +53,7 @@ import ctypes
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -90,7 +92,9 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
 
     from qad_pipeline.modeling import load_config
 
-    teacher_cfg, student_cfg = load_config(params.base_model), AutoConfig.from_pretrained(student_dir)
+    remote = params.base_model.trust_remote_code  # the student is the base model's class, with its code
+    teacher_cfg = load_config(params.base_model)
+    student_cfg = AutoConfig.from_pretrained(student_dir, trust_remote_code=remote)
     for key in ("model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers"):
         t, s = getattr(teacher_cfg, key, None), getattr(student_cfg, key, None)
         if t != s:
@@ -98,7 +102,8 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
                 f"the student at {student_dir} does not belong to the teacher {params.base_model.path!r}: "
                 f"{key} is {s!r} in the student and {t!r} in the teacher"
             )
-    if AutoTokenizer.from_pretrained(student_dir).get_vocab() != load_tokenizer(params.base_model).get_vocab():
+    student_vocab = AutoTokenizer.from_pretrained(student_dir, trust_remote_code=remote).get_vocab()
+    if student_vocab != load_tokenizer(params.base_model).get_vocab():
         raise ConfigError(f"the student at {student_dir} uses a different vocabulary than the teacher")
 
 
@@ -298,7 +303,12 @@ def resume(folder: Path, world: World, student, optimizer, scheduler, run_key: s
     """(step, loss curve) of the checkpoint in `folder`, loaded into the student, AdamW and schedule."""
     if not (folder / "state.pt").is_file():
         return 0, []
-    state = torch.load(folder / "state.pt", weights_only=False)
+    try:  # tensors and plain types only: a state.pt that holds anything else is not ours, and never unpickled
+        state = torch.load(folder / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise StageError(f"qad: refusing to load the checkpoint state {folder / 'state.pt'}: it holds objects other "
+                         f"than tensors and plain values ({str(err).splitlines()[0][:200]}); delete {folder} to "
+                         "start afresh") from None
     if state.get("run_key") != run_key:
         if world.rank == 0:
             print(f"qad: ignoring the checkpoint in {folder}: it was made with other parameters or another student")

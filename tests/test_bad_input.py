@@ -1,20 +1,68 @@
-"""Bad input gets one clear line naming the bad value, before any model weights are loaded."""
+"""Bad input gets one clear line naming the bad value, before any model weights are loaded.
 
+Each refusal: exit status 2, one line naming the bad thing, no traceback, nothing written under the
+out-root, in seconds. Most cases call the `qad-pipeline` command in this process (its preflight is
+what runs); a few run the real `qad-pipeline run` process.
+"""
+
+import http.server
 import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 from typer.testing import CliRunner
 
+from qad_pipeline import tracking
 from qad_pipeline.cli import app
-from qad_pipeline.config import ConfigError, load_params
+from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
 from qad_pipeline.tasks.calibration import read_documents
 
 runner = CliRunner()
+GOOD_RECIPE = "nvfp4_max-mamba_fp8-kv_fp8"
+PREFLIGHT_SECONDS = 30  # a refusal on a busy 2-core machine, imports included; measured: see the report
 
 
 def run_cli(*args):
     result = runner.invoke(app, list(args))
     return result.exit_code, result.output
+
+
+def refused(out_root, *args, env=None):
+    """`qad-pipeline run` in this process: (one-line message) after asserting the refusal's shape."""
+    out_root.mkdir(exist_ok=True)
+    started = time.monotonic()
+    code, out = run_cli("run", "--out-root", str(out_root), *args)
+    seconds = time.monotonic() - started
+    assert code == 2, out
+    assert "Traceback" not in out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    assert not any(out_root.iterdir()), f"written: {list(out_root.iterdir())}"
+    assert seconds < PREFLIGHT_SECONDS, f"{seconds:.1f}s"
+    return lines[0]
+
+
+def refused_process(out_root, *args, env=None):
+    """The real `qad-pipeline run` process: (its one error line) after asserting the refusal's shape."""
+    out_root.mkdir(exist_ok=True)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "qad_pipeline", "run", "--out-root", str(out_root), *args],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})},
+                          timeout=120)
+    seconds = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out
+    assert not any(out_root.iterdir()), f"written: {list(out_root.iterdir())}"
+    assert seconds < PREFLIGHT_SECONDS + 30, f"{seconds:.1f}s"  # + a fresh interpreter's imports
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -67,3 +115,202 @@ def test_empty_calibration_source(tmp_path):
 def test_ptq_stage_needs_a_listed_recipe(tmp_path):
     code, out = run_cli("stage", "ptq", "nvfp4_nope", "--out-root", str(tmp_path))
     assert code == 2 and "unknown recipe 'nvfp4_nope'" in out
+
+
+# -- params and overrides: YAML syntax, value ranges across keys ---------------------------------
+
+
+def test_yaml_error_in_params_names_the_file_line_and_column(tmp_path):
+    params = tmp_path / "params.yaml"
+    text = (PROJECT_ROOT / "params.yaml").read_text()
+    params.write_text(text.replace("  band: [0.95, 0.99]", "  band: [0.95, 0.99"))
+    line = text.splitlines().index("  ptq_final_min: 0.99") + 1  # where the unclosed list is found out
+    message = refused_process(tmp_path / "out", "--params", str(params))
+    assert f"{params}: invalid YAML at line {line}, column 16" in message
+
+
+def test_yaml_error_in_a_set_value_names_the_item_and_column(tmp_path):
+    message = refused(tmp_path / "out", "--set", "ptq.recipes=[a, b")
+    assert "--set 'ptq.recipes=[a, b': invalid YAML at line 1, column 18" in message
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("selection.band=[0.95, 1.2]", "band must be [low, high] with 0 < low <= high <= 1, got [0.95, 1.2]"),
+        ("selection.band=[0.99, 0.95]", "band must be [low, high] with 0 < low <= high <= 1, got [0.99, 0.95]"),
+        ("selection.band=[0, 0.9]", "band must be [low, high] with 0 < low <= high <= 1"),
+        ("selection.ptq_final_min=1.5", "selection.ptq_final_min = 1.5: Input should be less than or equal to 1"),
+    ],
+)
+def test_ranges_across_keys(item, message, tmp_path):
+    assert message in refused(tmp_path / "out", "--set", item)
+
+
+def test_empty_base_model_is_refused_not_ignored(tmp_path):
+    message = refused_process(tmp_path / "out", "--base-model", "")
+    assert "--base-model is empty" in message
+    with pytest.raises(ConfigError, match="base_model.path is empty"):
+        load_params(overrides=["base_model.path=' '"])
+
+
+# -- recipes: loaded and validated by Model Optimizer before any stage ---------------------------
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("metadata: [\n", "invalid YAML at line 2, column 1"),
+        ("metadata:\n  recipe_type: ptq\n", "must contain 'quantize'"),
+        ("quantize:\n  algorithm: max\n", "must contain a 'metadata.recipe_type' field"),
+        ("metadata:\n  recipe_type: ptq\nquantize:\n  algorithm: max\n  quant_cfg:\n"
+         "    - quantizer_name: '*weight_quantizer'\n      cfg:\n        num_bits: [9, 9]\n",
+         "Supported FPx quantization formats"),
+        ("metadata:\n  recipe_type: ptq\nquantize:\n  algorithm: max\n  quant_cfg:\n"
+         "    - $import: nvfp5\nimports:\n  nvfp5: configs/numerics/nvfp5\n", "configs/numerics/nvfp5"),
+    ],
+    ids=["invalid-yaml", "no-quantize-section", "no-recipe-type", "unknown-format", "unknown-unit"],
+)
+def test_a_bad_recipe_is_refused_naming_its_file(text, problem, tmp_path):
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(PROJECT_ROOT / "recipes" / f"{GOOD_RECIPE}.yaml", recipes)
+    (recipes / "bad.yaml").write_text(text)
+    message = refused(tmp_path / "out", "--set", f"ptq.recipe_dir={recipes}",
+                      "--set", f"ptq.recipes=[{GOOD_RECIPE}, bad]")
+    assert f"recipe {recipes / 'bad.yaml'}" in message and problem in message
+
+
+def test_a_stage_by_itself_checks_every_recipe_first(tmp_path):
+    """`dvc repro` runs `qad-pipeline stage ...` one by one: the first stage already refuses a bad recipe."""
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "bad.yaml").write_text("metadata:\n  recipe_type: ptq\n")
+    code, out = run_cli("stage", "calibration", "--out-root", str(tmp_path / "out"),
+                        "--set", f"ptq.recipe_dir={recipes}", "--set", "ptq.recipes=[bad]")
+    assert code == 2 and "must contain 'quantize'" in out and "Traceback" not in out
+    assert not (tmp_path / "out" / "artifacts").exists()
+
+
+# -- the model folder: weight files against their headers and index, no tensor loaded ------------
+
+
+def copy_of_demo_model(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(PROJECT_ROOT / "demo" / "model", folder)
+    return folder
+
+
+def test_truncated_weights_are_refused(tmp_path):
+    model = copy_of_demo_model(tmp_path)
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 1000)
+    message = refused_process(tmp_path / "out", "--base-model", str(model))
+    assert f"model weights {weights}" in message and "truncated" in message
+
+
+def test_weights_missing_from_their_index_are_refused(tmp_path):
+    from safetensors import safe_open
+
+    model = copy_of_demo_model(tmp_path)
+    with safe_open(str(model / "model.safetensors"), framework="pt") as handle:
+        names = list(handle.keys())
+    weight_map = {name: "model.safetensors" for name in names}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    refused(tmp_path / "ok", "--base-model", str(model), "--set", "calibration.num_samples=100000")  # gets past it
+    weight_map[names[0]] = "model-00002-of-00002.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    message = refused(tmp_path / "out", "--base-model", str(model))
+    assert f"model weights {model / 'model-00002-of-00002.safetensors'} are missing" in message
+    weight_map[names[0]] = "model.safetensors"
+    weight_map["model.layers.99.extra.weight"] = "model.safetensors"
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    message = refused(tmp_path / "out", "--base-model", str(model))
+    assert "lack 1 tensor(s)" in message and "model.layers.99.extra.weight" in message
+
+
+def test_a_folder_without_weights_is_refused(tmp_path):
+    model = copy_of_demo_model(tmp_path)
+    (model / "model.safetensors").unlink()
+    assert "holds no weight files" in refused(tmp_path / "out", "--base-model", str(model))
+
+
+# -- the calibration source: exists, decodes, yields the samples asked for -----------------------
+
+
+def test_calibration_source_problems_are_refused_before_any_stage(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (str(tmp_path / "missing"), "does not exist"),
+        (str(empty), "holds no .txt files"),
+    ]
+    for source, problem in cases:
+        message = refused(tmp_path / "out", "--set", f"calibration.source={source}")
+        assert f"calibration.source {source!r}" in message and problem in message
+    message = refused(tmp_path / "out", "--set", "calibration.num_samples=100000")
+    assert "fewer than the 100000 asked" in message
+
+
+def test_undecodable_calibration_text_names_the_file_and_byte(tmp_path):
+    source = tmp_path / "docs"
+    shutil.copytree(PROJECT_ROOT / "data" / "heldout", source)
+    bad = source / "2002-Bush-spoken.txt"
+    good = bad.read_bytes()
+    bad.write_bytes(good[:1234] + b"\xff\xfe" + good[1234:])
+    message = refused(tmp_path / "out", "--set", f"calibration.source={source}")
+    assert f"calibration.source file {bad}: byte 1234 (0xff) is not UTF-8" in message
+
+
+def test_undecodable_qad_text_is_refused_too(tmp_path):
+    bad = tmp_path / "train.txt"
+    bad.write_bytes(b"first paragraph\n\nsecond \x80 paragraph\n")
+    message = refused(tmp_path / "out", "--set", f"qad.source={bad}")
+    assert f"file {bad}: byte 24 (0x80) is not UTF-8" in message
+
+
+# -- the tracking store: reachable and really MLflow ---------------------------------------------
+
+
+def http_server(status: int, body: bytes, content_type: str = "text/html"):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_tracking_uri_that_answers_but_is_not_mlflow_is_refused(tmp_path):
+    server, uri = http_server(404, b"<html>Not Found</html>")
+    try:
+        message = refused_process(tmp_path / "out", env={"MLFLOW_TRACKING_URI": uri})
+    finally:
+        server.shutdown()
+    assert f"MLflow tracking server {uri} answers but is not an MLflow tracking server (HTTP 404" in message
+
+
+def test_what_counts_as_an_mlflow_server():
+    for status, body, accepted in [
+        (200, b'{"experiments": [{"experiment_id": "0", "name": "Default"}]}', True),
+        (401, b"", True),  # an authenticating front: MLflow's client brings the credentials
+        (200, b"<html>a web page</html>", False),
+        (500, b"", False),
+    ]:
+        server, uri = http_server(status, body, "application/json")
+        try:
+            if accepted:
+                tracking.check_reachable(uri)
+            else:
+                with pytest.raises(ConfigError, match="is not an MLflow tracking server"):
+                    tracking.check_reachable(uri)
+        finally:
+            server.shutdown()

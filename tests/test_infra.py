@@ -874,7 +874,7 @@ def test_compose_services_reference_each_other():
                           *(("command", c) for c in walk_strings(service.get("command", [])))]:
             for _, host, port in URL.findall(str(text)):
                 if key.endswith("UI_API_URL"):  # the browser's URL of this service: its published port
-                    published = {int(str(p).split(":")[0]) for p in service.get("ports", [])}
+                    published = {int(str(p).rsplit(":", 2)[-2]) for p in service.get("ports", [])}
                     assert int(port) in published, f"{name} {key}={text}: not a published port"
                     continue
                 assert host in services, f"{name} {key}: {text} names no service"
@@ -898,6 +898,19 @@ def test_compose_services_reference_each_other():
     for text in walk_strings(raw_services):
         for user_pass in re.findall(r"://[^:/@\s]+:([^@\s]+)@", text):
             assert user_pass.startswith("${"), f"a literal password in {text}"
+
+
+def test_compose_publishes_on_localhost_unless_configured():
+    """Prefect, MLflow and MinIO have no authentication of their own here: published on 127.0.0.1 by default."""
+    env = {k: v for k, v in dotenv_example().items() if k != "QAD_PUBLISH_ADDRESS"}
+    services = interpolate(yaml_docs(INFRA / "compose.yaml")[0], env)["services"]
+    published = [(name, str(p)) for name, service in services.items() for p in service.get("ports", [])]
+    assert {name for name, _ in published} == {"minio", "mlflow", "prefect-server"}
+    for name, port in published:
+        assert port.count(":") == 2 and port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    exposed = interpolate(yaml_docs(INFRA / "compose.yaml")[0], {**env, "QAD_PUBLISH_ADDRESS": "0.0.0.0"})
+    assert all(str(p).startswith("0.0.0.0:") for s in exposed["services"].values() for p in s.get("ports", []))
+    assert "QAD_PUBLISH_ADDRESS" in (INFRA / "README.md").read_text()
 
 
 def test_compose_variables_are_documented():
@@ -933,7 +946,7 @@ def test_compose_databases_and_stores():
     config = next(d for d in yaml_docs(K8S / "base.yaml") if d["kind"] == "ConfigMap")["data"]
     for key, service in (("PREFECT_API_URL", "prefect-server"), ("MLFLOW_TRACKING_URI", "mlflow")):
         port = int(re.search(r":(\d+)", config[key].split("://", 1)[1])[1])
-        assert port in {int(str(p).split(":")[0]) for p in services[service]["ports"]}, key
+        assert port in {int(str(p).rsplit(":", 2)[-2]) for p in services[service]["ports"]}, key
 
 
 # ---------------------------------------------------------------------------------------------

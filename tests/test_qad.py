@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import ConfigError, load_params
+from qad_pipeline.config import ConfigError, StageError, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.qad import (CHECKPOINT, QADDiverged, check_processes, enable_gradient_checkpointing, lr_lambda,
-                                    run_qad)
+from qad_pipeline.tasks.qad import (CHECKPOINT, QADDiverged, World, check_processes, enable_gradient_checkpointing,
+                                    lr_lambda, resume, run_qad, save_checkpoint)
 
 
 def stage_cmd(layout, overrides):
@@ -46,7 +46,7 @@ def test_killed_qad_resumes_from_its_checkpoint(copy_of_run):
     assert checkpoint.is_file(), "no checkpoint appeared before the stage ended"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    saved_step = torch.load(checkpoint, weights_only=False)["step"]
+    saved_step = torch.load(checkpoint, weights_only=True)["step"]
     assert 0 < saved_step < 8 and not (layout.qad / "model").exists()
 
     rerun = subprocess.run(stage_cmd(layout, overrides), capture_output=True, text=True)
@@ -122,3 +122,82 @@ def test_a_batch_that_does_not_split_over_the_processes_is_refused():
     params = load_params(overrides=["qad.num_gpus=3", "qad.batch_size=4", "hardware.device=cpu"])
     with pytest.raises(ConfigError, match="qad.batch_size = 4 does not split evenly over qad.num_gpus = 3"):
         check_processes(params)
+
+
+def tiny_training(seed: int):
+    """A small model with AdamW and the QAD schedule, as `run_qad` builds them."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(load_params().qad))
+    return model, optimizer, scheduler
+
+
+def test_checkpoint_state_is_loaded_with_weights_only(tmp_path):
+    """state.pt holds only tensors and plain values: it loads with weights_only=True and resumes exactly."""
+    model, optimizer, scheduler = tiny_training(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    losses = [{"step": i + 1, "loss": 0.5 / (i + 1), "lr": 1e-2} for i in range(3)]
+    save_checkpoint(tmp_path / CHECKPOINT, World(), model, optimizer, scheduler, 3, losses, "key-1")
+    state = torch.load(tmp_path / CHECKPOINT / "state.pt", weights_only=True)
+    assert state["step"] == 3 and state["run_key"] == "key-1"
+
+    fresh, fresh_optimizer, fresh_scheduler = tiny_training(1)
+    step, curve = resume(tmp_path / CHECKPOINT, World(), fresh, fresh_optimizer, fresh_scheduler, "key-1")
+    assert (step, curve) == (3, losses)
+    for ours, theirs in zip(fresh.state_dict().values(), model.state_dict().values()):
+        assert torch.equal(ours, theirs)
+    assert fresh_scheduler.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"] == 3
+    assert fresh_optimizer.state_dict()["state"][0]["step"] == optimizer.state_dict()["state"][0]["step"]
+    other, other_optimizer, other_scheduler = tiny_training(2)  # another run's checkpoint: ignored
+    assert resume(tmp_path / CHECKPOINT, World(), other, other_optimizer, other_scheduler, "key-2") == (0, [])
+
+
+class _Payload:
+    ran = False
+
+    def __reduce__(self):
+        return (_mark_ran, ())
+
+
+def _mark_ran():
+    _Payload.ran = True
+    return "ran"
+
+
+def test_a_checkpoint_state_with_arbitrary_objects_is_refused_unexecuted(tmp_path):
+    folder = tmp_path / CHECKPOINT
+    folder.mkdir()
+    torch.save({"step": 2, "losses": [], "run_key": "key", "payload": _Payload()}, folder / "state.pt")
+    model, optimizer, scheduler = tiny_training(0)
+    with pytest.raises(StageError, match=r"refusing to load the checkpoint state .*state.pt.*delete"):
+        resume(folder, World(), model, optimizer, scheduler, "key")
+    assert not _Payload.ran  # weights_only never called the pickled function
+
+
+def test_the_student_checks_honour_trust_remote_code(demo_model_path, monkeypatch):
+    """With base_model.trust_remote_code the student's config and tokenizer are read with it too (a model
+    with its own code would otherwise fail at QAD, after PTQ worked)."""
+    import transformers
+
+    from qad_pipeline.tasks.qad import check_student_matches_teacher
+
+    seen = []
+    for cls in (transformers.AutoConfig, transformers.AutoTokenizer):
+        original = cls.from_pretrained.__func__
+
+        def recording(klass, *args, _original=original, **kwargs):
+            seen.append((klass.__name__, kwargs.get("trust_remote_code")))
+            return _original(klass, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(recording))
+    params = load_params(overrides=["base_model.trust_remote_code=true"])
+    check_student_matches_teacher(demo_model_path, params)
+    # teacher and student, each: config and tokenizer (which reads the config again)
+    assert [name for name, _ in seen].count("AutoTokenizer") == 2 and {name for name, _ in seen} == {
+        "AutoConfig", "AutoTokenizer"}
+    assert all(remote is True for _, remote in seen), seen

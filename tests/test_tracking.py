@@ -425,6 +425,23 @@ def test_secrets_never_reach_params_tags_or_artifacts(logged):
         assert not any(s in json.dumps([mv.tags, mv.description, mv.source]) for s in secrets)
 
 
+@pytest.mark.parametrize("name", ["HF_TOKEN", "hf_token", "api_token", "MLFLOW_TRACKING_TOKEN", "accessToken",
+                                  "AWS_SECRET_ACCESS_KEY", "aws_access_key_id", "api_key", "apiKey", "APIKEY",
+                                  "db.Password", "passwd", "client_secret", "google_credentials", "GITHUB_TOKEN2"])
+def test_secret_names_are_masked(name):
+    assert tracking.is_secret_name(name)
+    assert tracking.redact(name, "some-value") == "***"
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "calibration.tokenizer", "TOKENIZERS_PARALLELISM", "tokens_per_step",
+                                  "keyframes", "base_model.path", "kv_cache", "monkeys"])
+def test_names_that_only_contain_a_secret_word_are_not_masked(name, monkeypatch):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "falsey-value")  # not a secret: its value is not scrubbed
+    assert not tracking.is_secret_name(name)
+    assert tracking.redact(name, "demo/model") == "demo/model"
+    assert "falsey-value" not in tracking.secret_values()
+
+
 def test_redact_rules(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", HF_TOKEN)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
