@@ -149,6 +149,7 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
             "layer_formats": {"model.layers.0.mlp.up_proj": "nvfp4", "lm_head": "nvfp4"},
             "timing_s": {"quantize": 3.5, "eval": 20.0, "total": 30.0},
             "started_at": started, "finished_at": started + 30.0, "peak_rss_mb": 900.0,
+            "settings": {k: v for k, v in settings_of(name, bpe).items() if k != "effective_bpe"},
         })
     (layout.logs / f"ptq-{BROKEN}.log").write_text("Traceback ...\nValueError: no_such_algorithm\n")
 
