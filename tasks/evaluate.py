@@ -97,6 +97,20 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
     return scores
 
 
+def item_value(metric: str, value) -> float | None:
+    """One item's value of `metric` as a number whose mean over items is the task's score.
+
+    lm-eval logs most metrics per item as numbers; the Brier score as (gold index, choice
+    probabilities), which its aggregation turns into the mean squared distance to the one-hot.
+    """
+    if isinstance(value, bool) or isinstance(value, (int, float)):
+        return float(value)
+    if metric == "brier_score" and isinstance(value, (tuple, list)) and len(value) == 2:
+        gold, probs = value
+        return float(sum((p - (i == gold)) ** 2 for i, p in enumerate(probs)))
+    return None
+
+
 def task_items(samples: list[dict], metric: str, score: float) -> dict | None:
     """The task's per-item values of `metric` (lm-eval's logged samples, by doc id), with how they
     aggregate into `score`; None when they do not (a corpus-level metric such as BLEU)."""
@@ -104,9 +118,9 @@ def task_items(samples: list[dict], metric: str, score: float) -> dict | None:
 
     by_filter: dict[str, list] = {}
     for sample in samples:
-        value = sample.get(metric)
-        if isinstance(value, (int, float)):
-            by_filter.setdefault(sample.get("filter", "none"), []).append((sample["doc_id"], float(value)))
+        value = item_value(metric, sample.get(metric))
+        if value is not None:
+            by_filter.setdefault(sample.get("filter", "none"), []).append((sample["doc_id"], value))
     for pairs in by_filter.values():
         pairs.sort()
         values = [v for _, v in pairs]

@@ -207,3 +207,21 @@ def test_item_aggregation_is_read_from_the_values():
     assert item_aggregation([1.0, 0.0, 1.0], 2 / 3) == "mean"
     assert item_aggregation([-1.0, -3.0], math.exp(2.0)) == "perplexity"
     assert item_aggregation([0.2, 0.4], 0.9) is None  # e.g. a corpus-level metric
+
+
+def test_items_of_lm_eval_samples_pair_by_doc_and_average_to_the_score():
+    import numpy as np
+    from lm_eval.api.metrics import brier_score
+
+    from qad_pipeline.tasks.evaluate import task_items
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(4), size=30)
+    gold = rng.integers(0, 4, 30)
+    samples = [{"doc_id": int(d), "filter": "none", "brier_score": (int(gold[d]), probs[d].tolist()), "acc": float(d % 2)}
+               for d in rng.permutation(30)]
+    brier = task_items(samples, "brier_score", brier_score(list(zip(gold.tolist(), probs.tolist()))))
+    assert brier["aggregation"] == "mean" and brier["ids"] == list(range(30))  # sorted by doc id
+    acc = task_items(samples, "acc", 0.5)
+    assert acc["values"][:4] == [0.0, 1.0, 0.0, 1.0]
+    assert task_items(samples, "acc", 0.9) is None  # values that do not make the score: no items
