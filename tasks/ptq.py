@@ -155,25 +155,31 @@ def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: 
     return mtq.quantize(model, quantize_config(model, recipe_path), calibration_loop(samples, batch_size))
 
 
-def weight_errors(model, worst: int = 5) -> dict:
-    """Each quantized weight's relative reconstruction error ||Q(W) - W|| / ||W|| (Frobenius).
+def quantized_weights(model):
+    """(name, weight, its enabled weight quantizer) for every quantized weight: Model Optimizer's
+    `iter_weights_for_calibration` pairs, one per linear layer and one per expert of fused MoE
+    weights (named `<module>[<expert>]`)."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "iter_weights_for_calibration"):
+            continue
+        pairs = [(w, q) for w, q in module.iter_weights_for_calibration() if q is not None and q.is_enabled]
+        for index, (weight, quantizer) in enumerate(pairs):
+            yield (f"{name}[{index}]" if len(pairs) > 1 else name), weight, quantizer
 
-    Q is the layer's own calibrated weight quantizer (Model Optimizer's `iter_weights_for_calibration`
-    pairs: one per linear layer, one per expert of fused MoE weights). Returns the median and
-    mean over layers, every layer's error and the `worst` layers.
+
+def weight_errors(model, worst: int = 5) -> dict:
+    """Each quantized weight's relative reconstruction error ||Q(W) - W|| / ||W|| (Frobenius)
+    under its own calibrated quantizer (`quantized_weights`). Returns the median and mean over
+    layers, every layer's error and the `worst` layers.
     """
     import statistics
 
     layers = {}
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if not hasattr(module, "iter_weights_for_calibration"):
-                continue
-            pairs = [(w, q) for w, q in module.iter_weights_for_calibration() if q is not None and q.is_enabled]
-            for index, (weight, quantizer) in enumerate(pairs):
-                w = weight.float().contiguous()
-                error = (torch.linalg.vector_norm(quantizer(w) - w) / torch.linalg.vector_norm(w).clamp_min(1e-30))
-                layers[f"{name}[{index}]" if len(pairs) > 1 else name] = float(error)
+        for name, weight, quantizer in quantized_weights(model):
+            w = weight.float().contiguous()
+            error = torch.linalg.vector_norm(quantizer(w) - w) / torch.linalg.vector_norm(w).clamp_min(1e-30)
+            layers[name] = float(error)
     if not layers:
         return {"median": None, "mean": None, "layers": {}, "worst": []}
     ranked = sorted(layers.items(), key=lambda kv: -kv[1])[:worst]
@@ -186,11 +192,8 @@ def recipe_settings(model, recipe_path: Path) -> dict:
     calibration algorithm, weight-scale method, the Mamba projections' format, the KV cache's."""
     algorithm = load_quantize_config(recipe_path).model_dump().get("algorithm")
     method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
-    four_over_six = any(
-        isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
-        for m in model.modules() if hasattr(m, "iter_weights_for_calibration")
-        for _, q in m.iter_weights_for_calibration() if q is not None and q.is_enabled
-    )
+    four_over_six = any(isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
+                        for _, _, q in quantized_weights(model))
     mamba_formats = set()
     for m in model.modules():
         if "Mamba" not in type(m).__name__:
