@@ -13,7 +13,9 @@ Prints, on the bundled demo model with the params.yaml defaults:
     ~100M-parameter Llama with a 32K vocabulary built from a config (benchmarks/models.py), with
     each stage's wall time and measured peak memory against the memory plan's estimate.
 
-`--parts flow dvc workers llama` picks parts (default: all).
+`--parts flow dvc workers llama` picks parts (default: all). `--llama-set section.key=value`
+(repeatable) adds overrides to the `llama` run, e.g. `eval.limit=50` to fit a 2-core machine's
+session (the item count per task changes the eval's length, not its peak memory).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def main() -> None:
     ap.add_argument("--out-root", type=Path, default=None)
     ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers", "llama"],
                     default=["flow", "dvc", "workers", "llama"])
+    ap.add_argument("--llama-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra override for the llama run (repeatable)")
     args = ap.parse_args()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")  # a busy machine
@@ -130,10 +134,10 @@ def main() -> None:
             wall, whole = recipes_on_workers(root, workers, params.ptq.recipes)
             print(f"{workers} worker(s): recipes {wall:8.1f} s   whole run (to selection) {whole:8.1f} s")
     if "llama" in args.parts:
-        llama_dag(root)
+        llama_dag(root, args.llama_set)
 
 
-def llama_dag(root: Path) -> None:
+def llama_dag(root: Path, extra: list[str]) -> None:
     """The whole DAG on a ~100M Llama with the defaults; measured peaks (logs/*.usage.json) vs the plan."""
     from qad_pipeline import memory
 
@@ -141,7 +145,7 @@ def llama_dag(root: Path) -> None:
     from models import build_llama
 
     model = build_llama(root / "llama-100m")
-    overrides = [f"base_model.path={model}", "selection.band=[0.01, 1.0]"]  # random weights: take any recipe
+    overrides = [f"base_model.path={model}", "selection.band=[0.01, 1.0]", *extra]  # random weights: any recipe
     params = load_params(overrides=overrides)
     estimates = {e.stage: e for e in memory.plan(params)}
     parallel = memory.recipe_parallelism(params)
@@ -149,7 +153,8 @@ def llama_dag(root: Path) -> None:
     summary = run_flow(root / "llama", overrides)
     wall = time.perf_counter() - started
     layout = Layout(root / "llama")
-    print(f"\n== whole DAG, {model.name} (params.yaml defaults, {parallel} recipes at once): {wall:.0f} s ==")
+    print(f"\n== whole DAG, {model.name} (params.yaml defaults{', ' + ' '.join(extra) if extra else ''}, "
+          f"{parallel} recipes at once): {wall:.0f} s ==")
     print(f"{'stage':<42} {'seconds':>8} {'plan MB':>9} {'peak MB':>9} {'peak/plan':>9}")
     for usage_file in sorted(layout.logs.glob("*.usage.json")):
         usage = read_json(usage_file)

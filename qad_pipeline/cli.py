@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from contextlib import contextmanager
 from enum import Enum
@@ -94,14 +95,15 @@ def _quiet_libraries():
             datasets.enable_progress_bars()
 
 
-def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True) -> None:
+def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True) -> None:
     """Every check that needs no model weights, before any stage process starts; a failure is one
     `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
     recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
     and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
     memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
-    (exists, decodes, yields the samples asked for). Value ranges across keys are checked when
-    params.yaml is loaded."""
+    (exists, decodes, yields the samples asked for), and (with `serving`) that the serving check's
+    vLLM environment exists when the export will run it. Value ranges across keys are checked when params.yaml is
+    loaded."""
     from qad_pipeline import tracking as mlflow_tracking
     from qad_pipeline.memory import check_fits, plan
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
@@ -125,6 +127,10 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
             check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
         check_model_files(params.base_model)
         check_calibration(params, load_tokenizer(params.base_model))
+    if serving and params.selection.policy == "qad" and params.export.serving_check != "skip":
+        from qad_pipeline.serving import vllm_python
+
+        vllm_python()  # the export's serving check needs it: say so now, not after QAD
 
 
 def _fail(err: Exception) -> None:
@@ -189,7 +195,8 @@ def stage(
             if recipe not in params.ptq.recipes:
                 raise ConfigError(f"unknown recipe {recipe!r}: ptq.recipes lists {params.ptq.recipes}")
         if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it
-            preflight(params, output_root(out_root, params_file), memory=False, tracking=False)
+            preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
+                      serving=name is Stage.export)
     except ConfigError as err:
         _fail(err)
 
@@ -298,7 +305,10 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
         from qad_pipeline.tasks.ptq import run_ptq
 
         result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
-        typer.echo(f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element")
+        if result.get("status") == "alias":
+            typer.echo(f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again")
+        else:
+            typer.echo(f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element")
     elif name is Stage.selection:
         from qad_pipeline.tasks.selection import run_selection
 
@@ -358,3 +368,46 @@ def plan_command(
         memory.check_fits(estimates)
     except ConfigError as err:
         _fail(err)
+
+
+@app.command("setup-vllm")
+def setup_vllm_command(
+    env: Annotated[Path | None, typer.Option("--env", help="where to create it [default: $QAD_VLLM_ENV or .venv-vllm]")] = None,
+    build: Annotated[str, typer.Option(help="auto: cuda when a GPU is visible, else cpu | cpu | cuda")] = "auto",
+) -> None:
+    """Create the pinned vLLM environment the serving check runs in (vLLM and the CPU plugin)."""
+    from qad_pipeline import serving
+
+    try:
+        serving.setup_vllm(env, build, log=typer.echo)
+    except (ConfigError, OSError) as err:
+        _fail(err)
+    except subprocess.CalledProcessError as err:
+        typer.echo(f"error: {' '.join(map(str, err.cmd))} exited with {err.returncode}", err=True)
+        raise typer.Exit(1) from None
+
+
+@app.command("verify-serving")
+def verify_serving_command(
+    export_dir: Annotated[Path, typer.Argument(help="an exported checkpoint folder (artifacts/export)")],
+    level: Annotated[str, typer.Option(help="auto: full where vLLM runs the architecture here, else config | full | config")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON before the last line")] = False,
+) -> None:
+    """Load an export with a real vLLM and compare its log-probs with the student's; exit 0 when it passes.
+
+    The last line names the level that ran (full or config) and its figures."""
+    import json
+
+    from qad_pipeline import serving
+
+    try:
+        if not export_dir.is_dir():
+            raise ConfigError(f"export folder {export_dir} does not exist")
+        result = serving.verify_serving(export_dir, level)
+    except (ConfigError, StageError) as err:
+        _fail(err)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    typer.echo(result["summary"])
+    if not result["passed"]:
+        raise typer.Exit(1)

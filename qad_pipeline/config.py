@@ -150,6 +150,10 @@ class QADParams(_Section):
     sharding: Literal["ddp", "fsdp"]
 
 
+class ExportParams(_Section):
+    serving_check: Literal["auto", "full", "config", "skip"]
+
+
 class Params(_Section):
     base_model: BaseModelParams
     hardware: HardwareParams
@@ -158,6 +162,7 @@ class Params(_Section):
     eval: EvalParams
     selection: SelectionParams
     qad: QADParams
+    export: ExportParams
 
     def recipe_path(self, name: str, root: Path | None = None) -> Path:
         return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"

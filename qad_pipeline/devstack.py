@@ -181,7 +181,7 @@ class LocalPrefect:
 
 
 # A DVC project ----------------------------------------------------------------------------------
-PROJECT_FILES = ["dvc.yaml", "params.yaml", "recipes", "eval_tasks", "data/heldout", "tasks", "qad_pipeline",
+PROJECT_FILES = ["dvc.yaml", "params.yaml", "recipes", "eval_tasks", "data/heldout", "tasks", "qad_pipeline", "serving",
                  ".dvc/config", ".dvcignore", ".gitignore"]
 GIT_IDENTITY = {"GIT_AUTHOR_NAME": "qad-pipeline", "GIT_AUTHOR_EMAIL": "qad-pipeline@localhost",
                 "GIT_COMMITTER_NAME": "qad-pipeline", "GIT_COMMITTER_EMAIL": "qad-pipeline@localhost"}

@@ -212,8 +212,10 @@ def _sections(summary: dict, table, heading) -> list[str]:
         out += [*heading("Export"), f"- path: {e['path']}",
                 (f"- {e['size_bytes'] / 1e6:.2f} MB vs {e['bf16_size_bytes'] / 1e6:.2f} MB in BF16 "
                  f"({e['size_ratio']:.2f}x smaller), {e['effective_bpe']:.3f} bits per element; checks: {checks}"),
+                *([f"- {e['serving_check']['summary']}"] if e.get("serving_check") else []),
                 *(f"- {label}: {serving[key]}" for key, label in
-                  (("blackwell", "Blackwell"), ("hopper", "Hopper"), ("vllm", "Serve with vLLM")) if key in serving),
+                  (("blackwell", "Blackwell"), ("hopper", "Hopper"), ("vllm", "Serve with vLLM"),
+                   ("sglang", "Serve with SGLang"), ("tensorrt_llm", "Serve with TensorRT-LLM")) if key in serving),
                 ""]
     return out
 

@@ -653,7 +653,9 @@ def _export_child(layout: Layout) -> ChildRun | None:
     child.metrics = _numeric_leaves({k: v for k, v in e.items() if k != "serving"})
     checks = e.get("checks") or {}
     child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in checks.items()}
-    child.tags.update({"path": e.get("path"), "vllm": (e.get("serving") or {}).get("vllm")})
+    child.tags.update({"path": e.get("path"), "vllm": (e.get("serving") or {}).get("vllm"),
+                       "serving_check": (e.get("serving_check") or {}).get("level"),
+                       "serving_check.summary": (e.get("serving_check") or {}).get("summary")})
     if not passed:
         failed = [f"{n}: {c.get('problems') or 'failed'}" for n, c in checks.items() if not c.get("passed")]
         child.tags[ERROR] = "export verification failed: " + "; ".join(failed)

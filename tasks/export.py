@@ -11,12 +11,16 @@ b. size: effective bits per element and bytes, computed from the safetensors the
 c. reload: the exported weights, unpacked and dequantized with Model Optimizer's NVFP4 code and
    loaded into a plain BF16 model by transformers, reproduce the student's next-token
    distribution within a mean KL of 1e-3 nats per token (weights-only view: activation and KV
-   quantizers off on the student, as a W4A16 server runs it).
+   quantizers off on the student, as a W4A16 server runs it);
+d. serving: a real vLLM, in its own pinned environment, loads the checkpoint (`qad_pipeline.serving`):
+   at the `full` level its prompt log-probs on held-out windows agree with the project's reading of
+   the checkpoint; where vLLM cannot run the architecture on this device, vLLM's config-level
+   acceptance (`config`). `export.serving_check: skip` leaves it out, and says so in the metrics.
 
 The checkpoint is written into a temporary folder and moved into place only when every check
 passes: a failed or interrupted export never leaves a folder that looks complete. The same
 checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores: W4A16);
-`serving.json` records what each needs.
+`serving.json` records what each needs, and the serve commands with the options vLLM detected.
 """
 
 from __future__ import annotations
@@ -254,7 +258,10 @@ def repair_layer_names(folder: Path) -> list[str]:
     return sorted(set(repaired))
 
 
-def serving_notes(quant_config: dict, folder: Path) -> dict:
+def serving_notes(quant_config: dict, folder: Path, check: dict | None) -> dict:
+    """What each GPU generation and each engine needs; the serve commands carry what vLLM detected."""
+    from qad_pipeline.serving import serve_commands
+
     q = quant_config.get("quantization", {})
     return {
         "quant_algo": q.get("quant_algo"),
@@ -262,11 +269,18 @@ def serving_notes(quant_config: dict, folder: Path) -> dict:
         "blackwell": "native NVFP4 W4A4 on FP4 tensor cores (SM100+): weights and activations in NVFP4",
         "hopper": "no FP4 tensor cores (SM90): the server runs the NVFP4 weights as W4A16 "
                   "(dequantized to BF16 in the GEMM), activations stay BF16",
-        "vllm": f"vllm serve {folder} --quantization modelopt_fp4"
-                + (" --kv-cache-dtype fp8" if q.get("kv_cache_quant_algo") == "FP8" else ""),
-        "tensorrt_llm": f"trtllm-serve {folder}",
-        "sglang": f"python -m sglang.launch_server --model-path {folder} --quantization modelopt_fp4",
+        **serve_commands(folder, check),
     }
+
+
+def check_serving(params: Params, folder: Path) -> dict | None:
+    """(d) A real vLLM serves what the student computes (`qad_pipeline.serving`); None when
+    export.serving_check is skip."""
+    from qad_pipeline import serving
+
+    if params.export.serving_check == "skip":
+        return None
+    return serving.verify_serving(folder, params.export.serving_check)
 
 
 def check_target(folder: Path, source_key: str) -> None:
@@ -289,6 +303,7 @@ def run_export(params: Params, layout: Layout) -> dict:
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.modeling import input_device, load_model, load_tokenizer
+    from qad_pipeline.serving import held_out_prompts, served_logits, write_reference
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
 
@@ -298,9 +313,12 @@ def run_export(params: Params, layout: Layout) -> dict:
     check_target(layout.export, source_key)
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
     expected = size_report(student)
-    batch = torch.from_numpy(load_ppl_windows(layout.data)[:2])
+    windows = load_ppl_windows(layout.data)
+    batch = torch.from_numpy(windows[:2])
     # before export: it packs the weights in place
     reference = weight_only_logits(student, batch.to(input_device(student))).cpu()
+    prompts = held_out_prompts(windows)
+    served = served_logits(student, prompts)
 
     metrics: dict = {}
     with staged_dir(layout.export) as tmp:
@@ -314,8 +332,12 @@ def run_export(params: Params, layout: Layout) -> dict:
             "size": check_size(expected["effective_bpe"], tensors),
             "reload": check_reload(tmp, tensors, reference, batch, params.base_model.trust_remote_code),
         }
+        write_reference(tmp, prompts, served)
+        serving_check = check_serving(params, tmp)
+        if serving_check is not None:
+            checks["serving"] = serving_check
         size_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
-        serving = serving_notes(quant_config, layout.export)
+        serving = serving_notes(quant_config, layout.export, serving_check)
         write_json(tmp / "serving.json", serving)
         metrics = {
             "path": str(layout.export),
@@ -328,11 +350,13 @@ def run_export(params: Params, layout: Layout) -> dict:
             "repaired_layer_names": len(repaired),
             "checks": checks,
             "serving": serving,
+            "serving_check": ({"level": serving_check["level"], "summary": serving_check["summary"]} if serving_check
+                              else {"level": "skipped", "summary": "skipped by export.serving_check=skip"}),
             "passed": all(c["passed"] for c in checks.values()),
         }
         write_json(layout.export_metrics, metrics)
         if not metrics["passed"]:
-            failed = [f"{name}: {c.get('problems') or c}" for name, c in checks.items() if not c["passed"]]
+            failed = [f"{name}: {c.get('problems') or c.get('summary') or c}" for name, c in checks.items() if not c["passed"]]
             raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
         write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir)})
     return metrics

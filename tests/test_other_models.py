@@ -5,7 +5,10 @@ import shutil
 import pytest
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.cli import Stage, run_stage
 from qad_pipeline.config import load_params
+from qad_pipeline.layout import Layout
 from qad_pipeline.tasks.calibration import build_calibration
 from qad_pipeline.tasks.evaluate import run_baseline
 from qad_pipeline.tasks.ptq import recipe_aliases, run_ptq
@@ -24,12 +27,13 @@ def llama_dir(tmp_path_factory, demo_model_path):
     return folder
 
 
-def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
+def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path, capsys):
     recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
     params = load_params(overrides=TINY + [f"base_model.path={llama_dir}", "eval.tasks=[heldout_continuation]"])
-    build_calibration(params, AutoTokenizer.from_pretrained(llama_dir), tmp_path / "data")
-    run_baseline(params, tmp_path / "data", tmp_path / "baseline.json", tmp_path / "reference")
-    result = run_ptq(params, recipe, tmp_path / "data", tmp_path / "reference", tmp_path / "ptq")
+    layout = Layout(tmp_path)
+    build_calibration(params, AutoTokenizer.from_pretrained(llama_dir), layout.data)
+    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
+    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
     formats = result["layer_formats"]
     assert formats["lm_head.weight"] == "nvfp4"
     assert formats["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
@@ -46,53 +50,14 @@ def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path):
     assert len(worst) == 5 and worst == sorted(worst, reverse=True) and worst[0] == max(errors["layers"].values())
     assert result["settings"] == {"algorithm": "mse", "weight_scale": "four_over_six",
                                   "mamba_format": "none (no Mamba layers)", "kv_cache": "nvfp4"}
-    assert (tmp_path / "ptq" / "items.json").is_file()
+    assert (layout.ptq(recipe) / "items.json").is_file()
 
     # no Mamba layers: the two Mamba variants of four-over-six + FP8 KV are one model, run once
     assert recipe_aliases(params) == {"nvfp4_4o6-mamba_w4a16-kv_fp8": "nvfp4_4o6-mamba_fp8-kv_fp8"}
-    alias = run_ptq(params, "nvfp4_4o6-mamba_w4a16-kv_fp8", tmp_path / "data", tmp_path / "reference",
-                    tmp_path / "alias")
+    # as `qad-pipeline stage ptq` runs it (the flow's and DVC's way): the stub, and a line saying so
+    run_stage(Stage.ptq, params, layout, "nvfp4_4o6-mamba_w4a16-kv_fp8")
+    assert "the same model as nvfp4_4o6-mamba_fp8-kv_fp8" in capsys.readouterr().out
+    alias = read_json(layout.ptq("nvfp4_4o6-mamba_w4a16-kv_fp8") / "scores.json")
     assert alias["status"] == "alias" and alias["alias_of"] == "nvfp4_4o6-mamba_fp8-kv_fp8"
-    assert sorted(p.name for p in (tmp_path / "alias").iterdir()) == ["scores.json"]
-    shutil.rmtree(tmp_path / "ptq")
-
-
-def test_tied_embeddings_stay_tied_through_ptq_qad_and_export(demo_model_path, tmp_path):
-    """A model whose lm_head is its input embedding (`tie_word_embeddings`): the lm_head stays the
-    BF16 embedding, and PTQ -> QAD -> export -> reload agree on formats and size."""
-    import torch
-
-    from qad_pipeline.layout import Layout
-    from qad_pipeline.tasks.export import read_tensors, run_export
-    from qad_pipeline.tasks.qad import run_qad
-
-    folder = tmp_path / "tied"
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(demo_model_path).save_pretrained(folder)
-    recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
-    params = load_params(overrides=TINY + [f"base_model.path={folder}", "eval.tasks=[heldout_continuation]",
-                                           f"ptq.recipes=[{recipe}]"])
-    layout = Layout(tmp_path / "run")
-    build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
-    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
-    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
-    assert result["layer_formats"]["model.embed_tokens.weight"] == "bf16"
-    assert "lm_head.weight" not in result["layer_formats"]  # one tensor: the tied embedding
-    assert result["layer_formats"]["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
-    assert "lm_head" not in result["weight_error"]["layers"]
-
-    (layout.metrics).mkdir(parents=True, exist_ok=True)
-    (layout.selection_metrics).write_text(f'{{"selected": "{recipe}"}}')
-    run_qad(params, layout.ptq(recipe) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
-    export = run_export(params, layout)
-    assert export["passed"], export["checks"]
-    assert export["checks"]["size"]["passed"] and export["checks"]["reload"]["passed"]
-    from transformers import AutoConfig
-
-    assert AutoConfig.from_pretrained(layout.export).tie_word_embeddings
-    tensors = read_tensors(layout.export)  # one tied tensor, in BF16: what vLLM ties back on load
-    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in tensors
-    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8  # packed NVFP4
+    assert sorted(p.name for p in layout.ptq("nvfp4_4o6-mamba_w4a16-kv_fp8").iterdir()) == ["scores.json"]
+    shutil.rmtree(layout.ptq(recipe))

