@@ -298,8 +298,10 @@ def summary_line(result: dict) -> str:
     if result.get("error"):
         return f"{head}: {result['error'].splitlines()[-1][:300]}"
     problems = result["config_problems"]
+    why = (result.get("why_not_full") or "").strip().splitlines()
     return (f"{head}, {result['layers_checked']} layers as stored"
-            + (f"; {len(problems)} problem(s): {problems[0]}" if problems else ""))
+            + (f"; {len(problems)} problem(s): {problems[0]}" if problems else "")
+            + (f"; no full check: {why[-1][:200]}" if why else ""))
 
 
 # -- serve commands -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 import shutil
 
 import pytest
+import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from qad_pipeline.artifacts import read_json
@@ -20,6 +21,7 @@ def llama_dir(tmp_path_factory, demo_model_path):
     """A tiny Llama (no Mamba, no MoE) with the demo tokenizer; its weights are random, which is
     enough to check that every recipe maps onto a different architecture."""
     folder = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)  # the same random weights whichever tests ran before
     config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -40,7 +42,8 @@ def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path, capsys):
     assert formats["model.layers.0.self_attn.q_proj.weight"] == "bf16"  # attention stays BF16
     assert formats["model.embed_tokens.weight"] == "bf16"
     assert result["kv_cache"] == "nvfp4"
-    assert result["kl_divergence"] > 0
+    # computed (the estimator is unbiased, so on this near-uniform random model it may fall just below 0)
+    assert result["kl_divergence"] != 0 and abs(result["kl_divergence"]) < 1
     # every quantized weight's reconstruction error: NVFP4 on Gaussian weights loses ~10 % of the norm
     errors = result["weight_error"]
     assert set(errors["layers"]) >= {"lm_head", "model.layers.0.mlp.up_proj"}

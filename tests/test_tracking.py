@@ -196,12 +196,16 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
                  "bf16_size_bytes": 2_000_000},
         "reload": {"passed": True, "max_abs_logit_diff": 0.01, "max_abs_logit": 10.0, "relative": 0.001,
                    "tolerance": 0.02, "compared": "student with weight quantizers only vs dequantized export, bf16"},
+        "serving": {"passed": True, "level": "full", "vllm_version": "0.32.0", "quantization": "modelopt_fp4",
+                    "kv_cache_dtype": "fp8", "kl_divergence": 5e-5, "top1_agreement": 0.99, "positions": 252,
+                    "decided_positions": 126, "summary": "serving check passed: level full, KL 0.00005"},
     }
     write_json(layout.export_metrics, {
         "path": str(layout.export), "size_bytes": 640_064, "bf16_size_bytes": 2_000_000,
         "size_ratio": 2_000_000 / 640_064, "effective_bpe": 4.5546, "layer_formats": {"nvfp4": 8, "bf16": 2},
         "repaired_layer_names": 0, "checks": checks,
         "serving": {"quant_algo": "NVFP4", "vllm": f"vllm serve {layout.export} --quantization modelopt_fp4"},
+        "serving_check": {"level": "full", "summary": "serving check passed: level full, KL 0.00005"},
         "passed": True,
     })
     touch(layout.export_metrics, t0 + 300)
@@ -326,6 +330,9 @@ def test_metrics_equal_the_files(logged):
     assert export.metrics["checks.reload.relative"] == pytest.approx(first["export"]["checks"]["reload"]["relative"])
     assert export.metrics["passed"] == 1.0
     assert export.tags["check.formats"] == export.tags["check.size"] == export.tags["check.reload"] == "passed"
+    assert export.tags["check.serving"] == "passed" and export.tags["serving_check"] == "full"
+    assert export.metrics["checks.serving.kl_divergence"] == pytest.approx(5e-5)
+    assert export.metrics["checks.serving.top1_agreement"] == pytest.approx(0.99)
     cal = kids["calibration"].data.metrics
     assert cal["calibration.samples"] == first["manifest"]["calibration"]["samples"]
 
