@@ -39,8 +39,9 @@ def project(tmp_path_factory, demo_model_path):
     """A git + DVC project with the tiny settings, the base model tracked with `dvc add`, after one
     full `dvc repro`. Returns (repo, stages that ran, seconds, remote)."""
     remote = tmp_path_factory.mktemp("dvc-remote")
-    repo = make_dvc_project(tmp_path_factory.mktemp("dvc-project"), [*TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]"],
-                            remote)
+    # the serving check has its own tests (test_serving.py, and the flow's export): here it only costs time
+    repo = make_dvc_project(tmp_path_factory.mktemp("dvc-project"),
+                            [*TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]", "export.serving_check=skip"], remote)
     started = time.time()
     ran, _ = repro(repo)
     seconds = time.time() - started
