@@ -69,7 +69,14 @@ class ServingCheckFailed(StageError):
 
 
 def vllm_env() -> Path:
-    return Path(os.environ.get("QAD_VLLM_ENV") or PROJECT_ROOT / ".venv-vllm").expanduser()
+    """$QAD_VLLM_ENV, else `.venv-vllm` in the project folder, else beside the Python environment
+    this runs in (a copy of the code, as a DVC test project holds, still finds the checkout's)."""
+    if os.environ.get("QAD_VLLM_ENV"):
+        return Path(os.environ["QAD_VLLM_ENV"]).expanduser()
+    for candidate in (PROJECT_ROOT / ".venv-vllm", Path(sys.prefix).parent / ".venv-vllm"):
+        if (candidate / "bin" / "python").is_file():
+            return candidate
+    return PROJECT_ROOT / ".venv-vllm"
 
 
 def vllm_python(env: Path | None = None) -> Path:
