@@ -159,3 +159,13 @@ def test_reference_file_is_not_a_weight_file_a_server_would_load(llama_export):
         assert ref["prompts"].shape == (serving.PROMPTS, serving.PROMPT_LEN)
         assert ref["logprobs"].shape == (serving.PROMPTS, serving.PROMPT_LEN - 1, 4096)
     assert not list(layout.export.glob("serving_reference*.safetensors"))
+
+
+def test_vllm_environment_is_found_beside_the_running_python(tmp_path, monkeypatch):
+    """A copy of the code (the DVC test project holds one) still finds the checkout's environment."""
+    from pathlib import Path
+
+    monkeypatch.delenv("QAD_VLLM_ENV", raising=False)
+    monkeypatch.setattr(serving, "PROJECT_ROOT", tmp_path / "copy")
+    assert serving.vllm_env() == Path(sys.prefix).parent / ".venv-vllm"
+    assert serving.vllm_python().is_file()
