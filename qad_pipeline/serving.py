@@ -41,7 +41,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, StageError
 
 VLLM_VERSION = "0.32.0"
@@ -233,7 +232,7 @@ def compare(vllm_positions: list, reference: dict[str, np.ndarray]) -> dict:
 
 
 def run_vllm_side(folder: Path, prompts: list[list[int]], level: str, logprobs: int, env: Path | None = None,
-                  timeout: int = 900) -> tuple[dict, str]:
+                  timeout: int = 900) -> dict:
     python = vllm_python(env)
     with tempfile.TemporaryDirectory(prefix="qad-serving-") as tmp:
         request, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
@@ -245,7 +244,7 @@ def run_vllm_side(folder: Path, prompts: list[list[int]], level: str, logprobs: 
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
             raise ServingCheckFailed(f"the vLLM side of the serving check failed (exit {proc.returncode}): "
                                      + " | ".join(tail))
-        return json.loads(out.read_text()), proc.stderr
+        return json.loads(out.read_text())
 
 
 def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -> dict:
@@ -264,7 +263,7 @@ def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -
             level = "config"  # an export without the student's reference: vLLM's acceptance only
     prompts = reference["prompts"].tolist() if reference is not None else [[0]]
     k = int(reference["ids"].shape[-1]) if reference is not None else 1
-    side, _ = run_vllm_side(folder, prompts, level, k, env)
+    side = run_vllm_side(folder, prompts, level, k, env)
     config = side["config"]
     result = {"vllm_version": config["vllm_version"], "quantization": config["quantization"],
               "kv_cache_dtype": config["kv_cache_dtype"], "architecture": config["architecture"],

@@ -13,9 +13,9 @@ c. reload: the exported weights, unpacked and dequantized with Model Optimizer's
    distribution within a mean KL of 1e-3 nats per token (weights-only view: activation and KV
    quantizers off on the student, as a W4A16 server runs it);
 d. serving: a real vLLM, in its own pinned environment, loads the checkpoint (`qad_pipeline.serving`):
-   at the `full` level its prompt log-probs on held-out windows agree with the project's reading of
-   the checkpoint; where vLLM cannot run the architecture on this device, vLLM's config-level
-   acceptance (`config`). `export.serving_check: skip` leaves it out, and says so in the metrics.
+   at the `full` level its prompt log-probs on held-out windows agree with the student's, which this
+   stage writes beside the weights (`serving_reference.npz`); where vLLM cannot run the architecture
+   on this device, vLLM's config-level acceptance (`config`). `export.serving_check: skip` leaves it out, and says so in the metrics.
 
 The checkpoint is written into a temporary folder and moved into place only when every check
 passes: a failed or interrupted export never leaves a folder that looks complete. The same
