@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/devstack.py: the local stack
+
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import DEFAULT_PARAMS, load_params
 from qad_pipeline.layout import Layout
@@ -71,7 +73,7 @@ def forward_times(params, layout: Layout) -> dict[str, float]:
 def dvc_noop(root: Path, repeats: int = 3) -> None:
     """A DVC project with the tests' small settings (the no-op time depends on the number of stages
     and files, not on the settings), one full `dvc repro`, then `repeats` timed no-op ones."""
-    from qad_pipeline.devstack import make_dvc_project, sh
+    from tests.devstack import make_dvc_project, sh
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.conftest import TINY
@@ -94,7 +96,7 @@ def dvc_noop(root: Path, repeats: int = 3) -> None:
 def recipes_on_workers(root: Path, workers: int, recipes: list[str]) -> tuple[float, float]:
     """One `qad-pipeline/default` deployment run (PTQ half) with `workers` GPU process workers:
     (wall time from the first recipe run's start to the last one's end, whole run) in seconds."""
-    from qad_pipeline.devstack import LocalPrefect
+    from tests.devstack import LocalPrefect
 
     threads = str(max(1, (os.cpu_count() or 1) // workers))
     with LocalPrefect(root / f"prefect-{workers}") as stack:

@@ -26,16 +26,19 @@ or with only `selection.*` changed, runs only what is missing.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
+import re
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.futures import wait
+from prefect import allow_failure, flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture, wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from qad_pipeline import tracking, versioning
@@ -45,106 +48,109 @@ from qad_pipeline.flows.publish import link_tracking, publish_recipe_table, publ
 from qad_pipeline.flows.stages import StageFailed, run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
+from qad_pipeline.preflight import preflight
 from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
+from qad_pipeline.stages import STAGES, Stage, fill
 
 __all__ = ["StageFailed", "qad_pipeline"]
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
-# The code a baseline result depends on, and a PTQ result in addition: a change to any of these
-# makes the stage run again.
-BASELINE_CODE = ["qad_pipeline.tasks.evaluate", "qad_pipeline.reference", "qad_pipeline.modeling",
-                 "qad_pipeline.tasks.calibration", "qad_pipeline.sizes"]
-PTQ_CODE = [*BASELINE_CODE, "qad_pipeline.tasks.ptq", "qad_pipeline.nvfp4_cpu"]
 
 
-def _hash_files(digest, paths) -> None:
-    for path in paths:
+@dataclass(frozen=True)
+class Job:
+    """What every stage task of one flow run shares: where its params are and where it writes."""
+
+    params_file: str
+    overrides: list[str]
+    layout: Layout
+    recipe_deployment: str | None = None
+    stage_deployment: str | None = None
+    at_once: int = 1  # PTQ recipes at once here (the memory plan's `recipe_parallelism`)
+    threads: int = 1  # CPU threads per PTQ process
+
+
+def _picked(data: dict, keys: tuple[str, ...]) -> dict:
+    """The values of dotted params keys (`eval`, `ptq.recipe_dir`) out of a params dump."""
+    picked = {}
+    for key in keys:
+        value = data
+        for part in key.split("."):
+            value = value[part]
+        picked[key] = value
+    return picked
+
+
+def _declared_path(template: str, params, layout: Layout, recipe: str | None) -> Path:
+    """A registry path: `${section.key}` paths are the params file's (relative to its folder), the
+    others the out-root's."""
+    path = fill(template, recipe)
+    if "${" not in path:
+        return layout.root / path
+    values = params.model_dump()
+    return resolve(re.sub(r"\$\{([\w.]+)\}", lambda m: str(_picked(values, (m[1],))[m[1]]), path))
+
+
+def stage_cache_key(context, arguments: dict[str, Any]) -> str:
+    """A cached stage's inputs: its params keys, the files standing for its data inputs, its code
+    (the registry's import graph), the base model (file listing with sizes and times, or hub id
+    and revision) and the out-root. Unchanged inputs: Prefect takes the last result from cache."""
+    stage, recipe, job = STAGES[arguments["stage"]], arguments["recipe"], arguments["job"]
+    params = load_params(Path(job.params_file), job.overrides)
+    digest = hashlib.sha256(json.dumps(
+        [stage.run_name(recipe), str(job.layout.root), _picked(params.model_dump(), stage.params)],
+        sort_keys=True, default=str).encode())
+    files = [_declared_path(f, params, job.layout, recipe) for f in stage.fingerprints] + stage.code_files()
+    for path in files:
         digest.update(str(path).encode())
-        digest.update(Path(path).read_bytes() if Path(path).is_file() else b"<missing>")
-
-
-def _inputs_key(params, layout: Layout, include: dict, files: list[Path], code: list[str], extra: str) -> str:
-    """sha256 of what a stage reads: its parameters, input files, code and the base model."""
-    digest = hashlib.sha256()
-    digest.update(json.dumps([extra, str(layout.root), params.model_dump(include=include)], sort_keys=True).encode())
-    _hash_files(digest, [*files, layout.data / "manifest.json",
-                         *(importlib.util.find_spec(module).origin for module in code)])
+        digest.update(path.read_bytes() if path.is_file() else b"<missing>")
     model = resolve(params.base_model.path)
     if model.is_dir():
         digest.update(json.dumps(list_files(model)).encode())
-    return digest.hexdigest()[:32]
+    return f"{stage.run_name(recipe)}-{digest.hexdigest()[:32]}"
 
 
-def baseline_cache_key(context, arguments: dict[str, Any]) -> str:
-    """The baseline's inputs: base model, eval parameters, calibration data, code, out-root."""
-    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
-    return "baseline-" + _inputs_key(params, arguments["layout"], {"base_model": True, "eval": True}, [],
-                                     BASELINE_CODE, "baseline")
+def outputs_present(stage: Stage, layout: Layout, recipe: str | None) -> bool:
+    """The files a cached result points at are still there (else it must run again)."""
+    return all((layout.root / fill(p, recipe)).exists() for p in stage.done)
 
 
-def ptq_cache_key(context, arguments: dict[str, Any]) -> str:
-    """A PTQ recipe's inputs: its recipe file, its parameters, the calibration data, the BF16
-    reference, the base model (file listing with sizes and times, or hub id and revision), the
-    code and the out-root."""
-    params = load_params(Path(arguments["params_file"]), arguments["overrides"])
-    layout: Layout = arguments["layout"]
-    recipe = arguments["recipe"]
-    include = {"base_model": True, "ptq": {"calib_batch_size"}, "eval": True}
-    files = [params.recipe_path(recipe), layout.reference / "manifest.json"]
-    return f"ptq-{recipe}-" + _inputs_key(params, layout, include, files, PTQ_CODE, recipe)
+@task(persist_result=True)
+def run_stage(stage: str, recipe: str | None, job: Job) -> float:
+    """One stage: a process here (`qad-pipeline stage ...`), or a flow run on a GPU deployment's pool."""
+    declared = STAGES[stage]
+    if declared.per_recipe and job.recipe_deployment:
+        return run_on_pool(job.recipe_deployment, declared.run_name(recipe), {"recipe": recipe}, job)
+    if declared.gpu and not declared.per_recipe and job.stage_deployment:
+        return run_on_pool(job.stage_deployment, stage, {"stage": stage}, job)
+    if not declared.per_recipe:
+        return run_stage_process([stage], job.params_file, job.overrides, job.layout)
+    with _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)):
+        return run_stage_process([stage, recipe], job.params_file, job.overrides, job.layout, job.threads)
 
 
-def baseline_done(layout: Layout) -> bool:
-    """The baseline's outputs are on disk (else a cached result would point at nothing)."""
-    return layout.baseline_metrics.is_file() and (layout.reference / "manifest.json").is_file()
+def submit(job: Job, stage: str, recipe: str | None = None, after: list | None = None) -> PrefectFuture:
+    """Submit one stage's task run, named as the registry names it, waiting for `after` (its edges
+    in the Prefect graph); a cached stage whose outputs are gone runs again."""
+    declared = STAGES[stage]
+    options: dict[str, Any] = {"name": stage, "task_run_name": declared.run_name(recipe)}
+    if declared.cached:
+        options.update(cache_key_fn=stage_cache_key,
+                       refresh_cache=not outputs_present(declared, job.layout, recipe))
+    else:
+        options.update(cache_policy=NO_CACHE, persist_result=False)
+    return run_stage.with_options(**options).submit(stage, recipe, job, wait_for=after or [])
 
 
-def recipe_done(layout: Layout, recipe: str) -> bool:
-    """The recipe's outputs are on disk (else a cached result would point at nothing)."""
-    scores = layout.ptq(recipe) / "scores.json"
-    return (scores.is_file() and read_json(scores).get("status") == "ok"
-            and (layout.ptq(recipe) / "checkpoint").is_dir())
-
-
-@task(name="calibration", task_run_name="calibration")
-def calibration(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["calibration"], params_file, overrides, layout)
-
-
-def run_heavy_stage(stage: str, params_file: str, overrides: list[str], layout: Layout,
-                    deployment: str | None) -> float:
-    """A GPU-heavy stage: a process here, or a `gpu-stage` flow run on `deployment`'s work pool."""
-    if deployment:
-        return run_on_pool(deployment, stage, {"stage": stage}, params_file, overrides, layout)
-    return run_stage_process([stage], params_file, overrides, layout)
-
-
-@task(name="baseline", task_run_name="baseline", cache_key_fn=baseline_cache_key, persist_result=True)
-def baseline(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
-    return run_heavy_stage("baseline", params_file, overrides, layout, deployment)
-
-
-@task(name="ptq", task_run_name="ptq-{recipe}", cache_key_fn=ptq_cache_key, persist_result=True)
-def ptq(recipe: str, params_file: str, overrides: list[str], layout: Layout, max_parallel: int, threads: int,
-        deployment: str | None = None) -> float:
-    """One recipe: a stage process here, or a `ptq-recipe` flow run on `deployment`'s work pool."""
-    if deployment:
-        return run_on_pool(deployment, f"ptq-{recipe}", {"recipe": recipe}, params_file, overrides, layout)
-    slots = _ptq_slots.setdefault(max_parallel, threading.Semaphore(max_parallel))
-    with slots:
-        return run_stage_process(["ptq", recipe], params_file, overrides, layout, threads)
-
-
-def run_on_pool(deployment: str, name: str, what: dict, params_file: str, overrides: list[str],
-                layout: Layout) -> float:
+def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:
     """Run `deployment` (ptq-recipe/gpu or gpu-stage/gpu) for one stage and wait for it."""
     from prefect.deployments import run_deployment
 
     run = run_deployment(
         deployment, flow_run_name=name, poll_interval=2,
-        parameters={**what, "params_file": params_file, "overrides": overrides,
-                    "out_root": str(layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
+        parameters={**what, "params_file": job.params_file, "overrides": job.overrides,
+                    "out_root": str(job.layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
     )
     if not run.state or not run.state.is_completed():
         state = run.state.name if run.state else "unknown"
@@ -152,26 +158,6 @@ def run_on_pool(deployment: str, name: str, what: dict, params_file: str, overri
                           + (f": {run.state.message}" if run.state and run.state.message else ""))
     get_run_logger().info("%s: flow run %s completed on %s", name, run.name, run.work_pool_name)
     return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
-
-
-@task(name="selection", task_run_name="selection")
-def selection(params_file: str, overrides: list[str], layout: Layout) -> float:
-    return run_stage_process(["selection"], params_file, overrides, layout)
-
-
-@task(name="qad", task_run_name="qad")
-def qad(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
-    return run_heavy_stage("qad", params_file, overrides, layout, deployment)
-
-
-@task(name="final_eval", task_run_name="final_eval")
-def final_eval(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
-    return run_heavy_stage("final_eval", params_file, overrides, layout, deployment)
-
-
-@task(name="export", task_run_name="export")
-def export(params_file: str, overrides: list[str], layout: Layout, deployment: str | None = None) -> float:
-    return run_heavy_stage("export", params_file, overrides, layout, deployment)
 
 
 def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: dict[str, Any] | None) -> list[str]:
@@ -194,7 +180,7 @@ def qad_pipeline(
     recipe_deployment: str | None = None,
     stage_deployment: str | None = None,
 ) -> dict:
-    """Calibration -> BF16 baseline and PTQ recipes in parallel -> selection -> QAD -> eval -> export.
+    """Calibration -> BF16 baseline -> PTQ recipes in parallel -> selection -> QAD -> eval -> export.
 
     Every parameter overrides params.yaml, which holds the defaults: `base_model` (a local folder
     or hub id), `recipes` (names in ptq.recipe_dir), `qad` (e.g. {"steps": 80, "lr": 5e-5}) and
@@ -203,7 +189,7 @@ def qad_pipeline(
     as a flow run of that deployment instead of a process here; `stage_deployment` (e.g.
     "gpu-stage/gpu") does the same for baseline, qad, final_eval and export.
     """
-    from qad_pipeline.cli import preflight
+    from qad_pipeline.memory import recipe_parallelism
 
     overrides = list(overrides or []) + parameter_overrides(base_model, recipes, qad)
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
@@ -211,24 +197,92 @@ def qad_pipeline(
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment))
+    at_once = recipe_parallelism(params)
+    job = Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
+              at_once, max(1, (os.cpu_count() or 1) // at_once))
+    with holding_outputs(params, layout):
+        parent_run = start_tracking(layout, params)
+        if parent_run:
+            link_tracking(layout, params, parent_run)
+        try:
+            summary, ran = run_dag(job, params)
+        except StageFailed as err:
+            track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
+            raise
+        summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
+        summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
+    recorded, summary["dvc"] = versioning.record_run(layout.root, Path(params_file), overrides,
+                                                     versioning.stage_names(ran))
+    (get_run_logger().info if recorded or not versioning.dvc_project(layout.root) else get_run_logger().warning)(
+        summary["dvc"])
+    return summary
+
+
+def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
+    """The stages, each a task run waiting for the ones it reads (the edges of the Prefect graph).
+
+    A failed calibration or baseline fails the flow; a failed recipe fails alone and selection
+    goes on among the others. QAD, final_eval and export follow when a recipe was selected and
+    the policy is `qad`. Returns the run summary and the (stage, recipe) pairs that completed.
+    """
+    layout, logger = job.layout, get_run_logger()
+    calibration = submit(job, "calibration")
+    seconds = {"calibration": calibration.result()}
+    started = time.time()
+    baseline = submit(job, "baseline", after=[calibration])
+    seconds["baseline"] = baseline.result()  # no baseline, no recovery: a failed baseline fails the flow
+    recipes = {name: submit(job, "ptq", name, after=[calibration, baseline]) for name in params.ptq.recipes}
+    wait(list(recipes.values()))
+    seconds.update({STAGES["ptq"].summary_key(n): f.result() for n, f in recipes.items() if f.state.is_completed()})
+    seconds["baseline+ptq (wall)"] = time.time() - started
+    failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
+    cached = [name for name, fut in recipes.items() if fut.state.name == "Cached"]
+    if failed:
+        logger.warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
+    if cached:
+        logger.info("PTQ taken from cache (inputs unchanged): %s", ", ".join(cached))
+    if baseline.state.name == "Cached":
+        logger.info("baseline taken from cache (inputs unchanged)")
+    ran = [("calibration", None), ("baseline", None), *(("ptq", n) for n in recipes if n not in failed)]
+
+    selection = submit(job, "selection", after=[baseline, *map(allow_failure, recipes.values())])
+    seconds["selection"] = selection.result()
+    ran.append(("selection", None))
+    chosen = read_json(layout.selection_metrics)
+    summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
+               "weight_error": weight_error_rows(layout, params.ptq.recipes),
+               "failed": failed, "cached": cached, "baseline_cached": baseline.state.name == "Cached",
+               "seconds": seconds, "root": str(layout.root)}
+    publish_recipe_table(params, summary)
+    if chosen["selected"] is not None and params.selection.policy == "qad":
+        upstream = selection
+        for stage in ("qad", "final_eval", "export"):
+            upstream = submit(job, stage, after=[upstream])
+            seconds[stage] = upstream.result()
+            ran.append((stage, None))
+        summary["qad"] = read_json(layout.qad_metrics)
+        summary["export"] = read_json(layout.export_metrics)
+    publish_report(params, summary)
+    return summary, ran
+
+
+@contextmanager
+def holding_outputs(params, layout: Layout):
+    """Every hold this run takes on its outputs, for as long as it writes them: the base-model slot
+    (deployment runs), the run lock on the out-root (its token passed to the stage processes) and
+    DVC's write lock (so a `dvc repro` there waits)."""
     logger = get_run_logger()
     with base_model_slot(params), run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
-        previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token  # the stage processes pass it on
+        previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token
         try:
             with dvc_write_lock(layout.root, f"qad-pipeline run (Prefect flow run {_flow_run_name()}) is writing "
                                              "this project's outputs; wait for it to finish or cancel it"):
-                summary = _run_stages(params_file, overrides, params, layout, recipe_deployment, stage_deployment)
+                yield token
         finally:
             if previous is None:
                 os.environ.pop(TOKEN_ENV, None)
             else:
                 os.environ[TOKEN_ENV] = previous
-        recorded, message = versioning.record_run(
-            layout.root, Path(params_file), overrides,
-            versioning.stage_names([k for k in summary["seconds"] if "(wall)" not in k], params.ptq.recipes))
-    (logger.info if recorded or not versioning.dvc_project(layout.root) else logger.warning)(message)
-    summary["dvc"] = message
-    return summary
 
 
 def base_model_slot(params):
@@ -255,63 +309,6 @@ def base_model_slot(params):
             pass
     get_run_logger().info("waiting for base-model slot %s (%s)", name, params.base_model.path)
     return concurrency(name, occupy=1, strict=True)
-
-
-def _run_stages(params_file: str, overrides: list[str], params, layout: Layout, recipe_deployment: str | None,
-                stage_deployment: str | None) -> dict:
-    from qad_pipeline.memory import recipe_parallelism
-
-    parent_run = start_tracking(layout, params)
-    if parent_run:
-        link_tracking(layout, params, parent_run)
-    try:
-        seconds = {"calibration": calibration(params_file, overrides, layout)}
-
-        started = time.time()
-        at_once = recipe_parallelism(params)
-        threads = max(1, (os.cpu_count() or 1) // at_once)
-        base = baseline.with_options(refresh_cache=not baseline_done(layout)).submit(
-            params_file, overrides, layout, stage_deployment)
-        recipes = {
-            name: ptq.with_options(refresh_cache=not recipe_done(layout, name)).submit(
-                name, params_file, overrides, layout, at_once, threads, recipe_deployment, wait_for=[base])
-            for name in params.ptq.recipes
-        }
-        wait([base, *recipes.values()])
-        seconds["baseline"] = base.result()  # no baseline, no recovery: a failed baseline fails the flow
-        seconds.update({f"ptq/{n}": f.result() for n, f in recipes.items() if f.state.is_completed()})
-        seconds["baseline+ptq (wall)"] = time.time() - started
-        failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
-        if failed:
-            get_run_logger().warning("PTQ failed for %s; selecting among the others", ", ".join(failed))
-        cached = [name for name, fut in recipes.items() if fut.state.name == "Cached"]
-        if cached:
-            get_run_logger().info("PTQ taken from cache (inputs unchanged): %s", ", ".join(cached))
-        if base.state.name == "Cached":
-            get_run_logger().info("baseline taken from cache (inputs unchanged)")
-
-        seconds["selection"] = selection(params_file, overrides, layout)
-        chosen = read_json(layout.selection_metrics)
-        summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
-                   "weight_error": weight_error_rows(layout, params.ptq.recipes),
-                   "failed": failed, "cached": cached, "baseline_cached": base.state.name == "Cached",
-                   "seconds": seconds, "root": str(layout.root)}
-        publish_recipe_table(params, summary)
-
-        if chosen["selected"] is not None and params.selection.policy == "qad":
-            seconds["qad"] = qad(params_file, overrides, layout, stage_deployment)
-            seconds["final_eval"] = final_eval(params_file, overrides, layout, stage_deployment)
-            seconds["export"] = export(params_file, overrides, layout, stage_deployment)
-            summary["qad"] = read_json(layout.qad_metrics)
-            summary["export"] = read_json(layout.export_metrics)
-    except StageFailed as err:
-        track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
-        raise
-    publish_report(params, summary)
-    summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
-    summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
-    return summary
-
 
 
 def start_tracking(layout: Layout, params) -> str | None:

@@ -24,8 +24,7 @@ from prefect import flow
 from qad_pipeline.flows.stages import run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
-
-GPU_STAGES = ("baseline", "qad", "final_eval", "export")
+from qad_pipeline.stages import GPU_STAGES
 
 
 def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, out_root: str | None,

@@ -7,6 +7,7 @@ that crashes or runs out of memory fails alone and the flow reports it.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +32,33 @@ def _high_water_kb(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this cgroup (None: not known here)."""
+    for path, key in ((Path("/sys/fs/cgroup/memory.events"), "oom_kill"),  # cgroup v2
+                      (Path("/sys/fs/cgroup/memory/memory.oom_control"), "oom_kill")):  # cgroup v1
+        try:
+            for line in path.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def exit_reason(code: int, oom_before: int | None, oom_after: int | None) -> str:
+    """Why a stage process ended: its exit code, or the signal that killed it; out of memory only
+    when the kernel's OOM killer counted a kill meanwhile."""
+    if code >= 0:
+        return f"exit code {code}"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    if -code == signal.SIGKILL and oom_before is not None and oom_after is not None and oom_after > oom_before:
+        return f"killed by the kernel's out-of-memory killer ({name})"
+    if -code == signal.SIGKILL and oom_before is None:
+        return f"killed by {name} (the kernel's out-of-memory killer sends it: see `dmesg`)"
+    return f"killed by {name}"
 
 
 def wait_with_peak(pid: int) -> tuple[int, int]:
@@ -77,6 +105,7 @@ def run_stage_process(
     child_env = {**os.environ, **(env or {})}
     if threads and "OMP_NUM_THREADS" not in child_env:
         child_env["OMP_NUM_THREADS"] = str(threads)
+    oom_before = oom_kills()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env)
         try:
@@ -94,7 +123,7 @@ def run_stage_process(
                                                     "finished_at": finished})
     if code != 0:
         tail = log_path.read_text().strip().splitlines()[-5:]
-        why = "killed (out of memory?)" if code < 0 else f"exit code {code}"
+        why = exit_reason(code, oom_before, oom_kills())
         raise StageFailed(f"{name} failed after {elapsed:.0f}s, {why}; last lines of {log_path}:\n" + "\n".join(tail))
     logger.info("%s: done in %.1fs, peak memory %.0f MB", name, elapsed, peak_mb)
     return elapsed

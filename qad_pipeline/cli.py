@@ -9,10 +9,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -27,7 +25,9 @@ from qad_pipeline.config import (
     load_params,
 )
 from qad_pipeline.layout import Layout, output_root
+from qad_pipeline.preflight import preflight
 from qad_pipeline.runlock import TOKEN_ENV, run_lock
+from qad_pipeline.stages import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 
@@ -48,14 +48,7 @@ RootOpt = Annotated[
 ]
 
 
-class Stage(str, Enum):
-    calibration = "calibration"
-    baseline = "baseline"
-    ptq = "ptq"
-    selection = "selection"
-    qad = "qad"
-    final_eval = "final_eval"
-    export = "export"
+Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # the declared stages, in order
 
 
 def resolve_params(params_file: Path, overrides: list[str] | None, base_model: str | None) -> Params:
@@ -65,72 +58,6 @@ def resolve_params(params_file: Path, overrides: list[str] | None, base_model: s
             raise ConfigError("--base-model is empty: give a local model folder or a hub id such as 'org/name'")
         items.append(f"base_model.path={base_model}")
     return load_params(params_file, items)
-
-
-@contextmanager
-def _quiet_libraries():
-    """While the preflight reads the inputs, the libraries keep their notices to themselves (datasets'
-    progress bars, transformers' and Model Optimizer's warnings at import, the note that NVFP4 runs
-    emulated, which every stage process that quantizes prints in its own log): a refusal is one line."""
-    import logging
-    import warnings
-
-    import datasets
-    import transformers
-
-    bars, verbosity = datasets.is_progress_bar_enabled(), transformers.logging.get_verbosity()
-    emulation_note = logging.getLogger("qad_pipeline.nvfp4_cpu")
-    note_level = emulation_note.level
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    emulation_note.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        emulation_note.setLevel(note_level)
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            datasets.enable_progress_bars()
-
-
-def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True) -> None:
-    """Every check that needs no model weights, before any stage process starts; a failure is one
-    `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
-    recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
-    and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
-    memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
-    (exists, decodes, yields the samples asked for), and (with `serving`) that the serving check's
-    vLLM environment exists when the export will run it. Value ranges across keys are checked when params.yaml is
-    loaded."""
-    from qad_pipeline import tracking as mlflow_tracking
-    from qad_pipeline.memory import check_fits, plan
-    from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
-    from qad_pipeline.tasks.calibration import check_calibration
-    from qad_pipeline.tasks.evaluate import check_tasks
-    from qad_pipeline.tasks.ptq import check_recipe
-
-    if tracking:
-        mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
-    check_recipes(params)
-    with _quiet_libraries():
-        check_base_model(
-            params.base_model,
-            {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
-             "qad.seq_len": params.qad.seq_len},
-        )
-        check_tasks(params.eval)
-        for name in params.ptq.recipes:  # before the memory plan, which reads them
-            check_recipe(params.recipe_path(name))
-        if memory:
-            check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
-        check_model_files(params.base_model)
-        check_calibration(params, load_tokenizer(params.base_model))
-    if serving and params.selection.policy == "qad" and params.export.serving_check != "skip":
-        from qad_pipeline.serving import vllm_python
-
-        vllm_python()  # the export's serving check needs it: say so now, not after QAD
 
 
 def _fail(err: Exception) -> None:
@@ -189,14 +116,14 @@ def stage(
     """Run one stage by itself; the flow's tasks and `dvc repro` call exactly this."""
     try:
         params = resolve_params(params_file, overrides, base_model)
-        if name is Stage.ptq:
+        if STAGES[name.value].per_recipe:
             if recipe is None:
-                raise ConfigError(f"stage ptq needs a recipe name: one of {params.ptq.recipes}")
+                raise ConfigError(f"stage {name.value} needs a recipe name: one of {params.ptq.recipes}")
             if recipe not in params.ptq.recipes:
                 raise ConfigError(f"unknown recipe {recipe!r}: ptq.recipes lists {params.ptq.recipes}")
         if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
-                      serving=name is Stage.export)
+                      serving=name.value == "export")
     except ConfigError as err:
         _fail(err)
 
@@ -282,62 +209,27 @@ def prefect_setup(
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
     import qad_pipeline  # noqa: F401  (installs the CPU NVFP4 kernels when there is no GPU)
 
-    for path in layout.outputs(name.value, recipe):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+    line = STAGES[name.value].run(params, layout, recipe)
+    if line:
+        typer.echo(line)
 
-    if name is Stage.calibration:
-        from qad_pipeline.modeling import load_tokenizer
-        from qad_pipeline.tasks.calibration import build_calibration
 
-        manifest = build_calibration(params, load_tokenizer(params.base_model), layout.data)
-        typer.echo(
-            f"calibration: {manifest['calibration']['samples']} samples x {manifest['calibration']['seq_len']} "
-            f"tokens, fingerprint {manifest['calibration']['fingerprint'][:12]}"
-        )
-    elif name is Stage.baseline:
-        from qad_pipeline.tasks.evaluate import run_baseline
+@app.command("dvc-yaml")
+def dvc_yaml_command(
+    check: Annotated[bool, typer.Option("--check", help="only say whether dvc.yaml is current; exit 1 if not")] = False,
+) -> None:
+    """Write the project's dvc.yaml from the stage registry (qad_pipeline/stages.py)."""
+    from qad_pipeline.stages import PROJECT_ROOT
+    from qad_pipeline.versioning import dvc_yaml
 
-        run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
-    elif name is Stage.ptq:
-        from qad_pipeline.tasks.ptq import run_ptq
-
-        result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
-        if result.get("status") == "alias":
-            typer.echo(f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again")
-        else:
-            typer.echo(f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element")
-    elif name is Stage.selection:
-        from qad_pipeline.tasks.selection import run_selection
-
-        typer.echo(run_selection(params, layout).reason)
-    elif name is Stage.qad:
-        from qad_pipeline.artifacts import read_json, write_json
-        from qad_pipeline.tasks.qad import launch_processes, run_qad
-
-        selected = read_json(layout.selection_metrics)["selected"]
-        if selected is None:
-            raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
-        if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
-            launch_processes(params, layout.root)  # torchrun runs this same command in qad.num_gpus processes
-            return
-        result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
-        if int(os.environ.get("RANK", "0")) == 0:  # the only process, or the first of the torchrun ones
-            write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
-            typer.echo(f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}"
-                       + (f" ({result['world_size']} processes)" if result["world_size"] > 1 else ""))
-    elif name is Stage.final_eval:
-        from qad_pipeline.tasks.final_eval import run_final_eval
-
-        m = run_final_eval(params, layout)
-        typer.echo(f"final eval: QAD median recovery {m['median_recovery']:.4f} vs PTQ {m['ptq_median_recovery']:.4f}")
-    elif name is Stage.export:
-        from qad_pipeline.tasks.export import run_export
-
-        m = run_export(params, layout)
-        typer.echo(f"export: {m['path']} ({m['size_bytes'] / 1e6:.2f} MB, {m['effective_bpe']:.3f} bits per element)")
+    path, text = PROJECT_ROOT / "dvc.yaml", dvc_yaml()
+    current = path.is_file() and path.read_text() == text
+    if check:
+        typer.echo(f"{path} is {'current' if current else 'out of date: run `qad-pipeline dvc-yaml`'}")
+        raise typer.Exit(0 if current else 1)
+    if not current:
+        path.write_text(text)
+    typer.echo(f"{path}: {'unchanged' if current else 'written'} ({len(STAGES)} stages)")
 
 
 def main() -> None:  # pragma: no cover

@@ -1,7 +1,8 @@
 """Where each stage reads and writes, relative to an output root (the project root by default).
 
 One name per thing: the DVC stage, the Prefect task, the artifact folder and the metrics file of
-a stage share its name (`calibration`, `baseline`, `ptq/<recipe>`, `selection`).
+a stage share its name (`calibration`, `baseline`, `ptq/<recipe>`, `selection`); what each stage
+writes is declared in `qad_pipeline.stages`.
 """
 
 from __future__ import annotations
@@ -89,22 +90,6 @@ class Layout:
     @property
     def export_metrics(self) -> Path:
         return self.metrics / "export.json"
-
-    def outputs(self, stage: str, recipe: str | None = None) -> list[Path]:
-        """What a stage writes: removed before it runs, so a failed run leaves no stale result.
-
-        QAD's checkpoints are not listed: they must survive a crash so that the re-run resumes.
-        The export folder is not listed either: the export stage checks what it holds itself.
-        """
-        return {
-            "calibration": [self.data],
-            "baseline": [self.baseline_metrics, self.baseline],
-            "ptq": [self.ptq(recipe)] if recipe else [],
-            "selection": [self.selection_metrics, self.metrics / "ptq", self.recovery_table],
-            "qad": [self.qad, self.qad_loss],
-            "final_eval": [self.qad_metrics, self.final_eval],
-            "export": [self.export_metrics],
-        }[stage]
 
     @property
     def logs(self) -> Path:

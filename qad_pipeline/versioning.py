@@ -9,6 +9,9 @@ the run's overrides leave every value as params.yaml has it. Otherwise `dvc.lock
 outputs for parameters they were not made with, so it says why and records nothing.
 
 The same is one command by hand: `dvc commit --force` in the project folder.
+
+`dvc.yaml` itself is generated from the stage registry (`qad_pipeline.stages`) by `dvc_yaml`
+(`qad-pipeline dvc-yaml`), so it cannot drift from what the flow runs.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from qad_pipeline.config import load_params
+from qad_pipeline.stages import PROJECT_ROOT, STAGES, fill
 
 
 def dvc_project(root: Path) -> bool:
     return (root / ".dvc").is_dir() and (root / "dvc.yaml").is_file()
 
 
-def stage_names(ran: list[str], recipes: list[str]) -> list[str]:
-    """The flow's stage names as DVC names them: `ptq/<recipe>` is the foreach stage `ptq@<recipe>`."""
-    return [f"ptq@{name[4:]}" if name.startswith("ptq/") and name[4:] in recipes else name for name in ran]
+def stage_names(ran: list[tuple[str, str | None]]) -> list[str]:
+    """The DVC names of the (stage, recipe) pairs that ran: `ptq@<recipe>` for the foreach stage."""
+    return [STAGES[name].dvc_name(recipe) for name, recipe in ran]
 
 
 def why_not_recorded(root: Path, params_file: Path, overrides: list[str]) -> str | None:
@@ -52,3 +58,53 @@ def record_run(root: Path, params_file: Path, overrides: list[str], stages: list
         return False, (f"`dvc commit` failed (exit {done.returncode}); the results are on disk, record them "
                        f"with `dvc commit --force` in {root}: {(done.stderr or done.stdout).strip()[-800:]}")
     return True, f"recorded in DVC ({len(stages)} stages in dvc.lock and the cache); `dvc push` sends them"
+
+
+DVC_YAML_HEADER = """\
+# Generated from qad_pipeline/stages.py by `qad-pipeline dvc-yaml`: change a stage there and run it
+# again (a test fails while this file differs from what the registry generates).
+#
+# The same DAG as the Prefect flow (flows/pipeline.py), stage for stage and name for name: each
+# stage runs the command that the flow's task runs, `qad-pipeline stage <name>`.
+#
+#   dvc repro                                   # everything that changed, nothing else
+#   dvc exp run --set-param qad.steps=80        # an experiment with one parameter changed
+#   dvc metrics diff / dvc params diff / dvc plots show
+#
+# Each stage lists the params.yaml keys it reads, its code (every project module it imports) and
+# its input data as dependencies, and everything it writes as outputs. The base model
+# (${base_model.path}) must be a local folder here; track it with `dvc add` (see README) so that
+# a new version is a DVC change. QAD with qad.source set reads that text too: add it to the qad
+# stage's deps if you set it.
+"""
+
+
+def _yaml_value(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True, width=200).strip().removesuffix("\n...")
+
+
+def dvc_yaml() -> str:
+    """dvc.yaml's text, generated from the stage registry."""
+    lines = [DVC_YAML_HEADER.rstrip("\n"), "stages:"]
+    for stage in STAGES.values():
+        lines.append(f"  {stage.name}:")
+        pad = "    "
+        recipe = "${item}" if stage.per_recipe else None
+        if stage.per_recipe:
+            lines += [f"{pad}foreach: ${{ptq.recipes}}", f"{pad}do:"]
+            pad += "  "
+        lines.append(f"{pad}cmd: qad-pipeline stage {stage.name}" + (f" {recipe}" if recipe else ""))
+        code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]
+        lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *(fill(i, recipe) for i in stage.inputs)])]
+        lines += [f"{pad}params:", *(f"{pad}  - {key}" for key in stage.params)]
+        for kind in ("outs", "metrics", "plots"):
+            outputs = [o for o in stage.outputs if o.kind == kind]
+            if outputs:
+                lines.append(f"{pad}{kind}:")
+            for output in outputs:
+                path = fill(output.path, recipe)
+                note = f"  # {output.note}" if output.note else ""
+                lines.append(f"{pad}  - {path}" + (":" if output.plot else "") + note)
+                lines += [f"{pad}      {key}: {_yaml_value(value)}" for key, value in (output.plot or {}).items()]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qad_pipeline import nvfp4_cpu  # noqa: E402
-from qad_pipeline.nvfp4_cases import BLOCK, KINDS, sample  # noqa: E402
+from tests.nvfp4_cases import BLOCK, KINDS, sample  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])

@@ -28,6 +28,7 @@ import numpy as np
 
 from qad_pipeline.artifacts import fingerprint, staged_dir, write_json
 from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, resolve
+from qad_pipeline.layout import Layout
 
 CONTEXT_WORDS = 40
 
@@ -243,3 +244,12 @@ def load_calibration(data_dir: Path) -> np.ndarray:
 
 def load_ppl_windows(data_dir: Path) -> np.ndarray:
     return np.asarray(datasets.load_from_disk(str(Path(data_dir) / "eval" / "ppl"))["input_ids"], dtype=np.int64)
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
+    """The calibration stage: `qad-pipeline stage calibration`."""
+    from qad_pipeline.modeling import load_tokenizer
+
+    manifest = build_calibration(params, load_tokenizer(params.base_model), layout.data)["calibration"]
+    return (f"calibration: {manifest['samples']} samples x {manifest['seq_len']} tokens, "
+            f"fingerprint {manifest['fingerprint'][:12]}")

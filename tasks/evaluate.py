@@ -23,6 +23,7 @@ import yaml
 
 from qad_pipeline.artifacts import write_json
 from qad_pipeline.config import ConfigError, EvalParams, Params, resolve
+from qad_pipeline.layout import Layout
 from qad_pipeline.tasks.calibration import load_ppl_windows
 
 def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | None:
@@ -194,3 +195,8 @@ def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_d
     }
     write_json(metrics_path, metrics)
     return metrics
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> None:
+    """The baseline stage: `qad-pipeline stage baseline`."""
+    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)

@@ -360,3 +360,9 @@ def run_export(params: Params, layout: Layout) -> dict:
             raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
         write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir)})
     return metrics
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
+    """The export stage: `qad-pipeline stage export`."""
+    m = run_export(params, layout)
+    return f"export: {m['path']} ({m['size_bytes'] / 1e6:.2f} MB, {m['effective_bpe']:.3f} bits per element)"

@@ -60,3 +60,9 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
     metrics["table"] = comparison_table(baseline, ptq, metrics, recipe)
     write_json(layout.qad_metrics, metrics)
     return metrics
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
+    """The final evaluation: `qad-pipeline stage final_eval`."""
+    m = run_final_eval(params, layout)
+    return f"final eval: QAD median recovery {m['median_recovery']:.4f} vs PTQ {m['ptq_median_recovery']:.4f}"

@@ -31,6 +31,7 @@ import yaml
 
 from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, yaml_error
+from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration
@@ -281,3 +282,11 @@ def _peak_rss_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
+    """One PTQ recipe: `qad-pipeline stage ptq <recipe>`."""
+    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
+    if result.get("status") == "alias":
+        return f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again"
+    return f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element"

@@ -74,6 +74,7 @@ from tqdm import tqdm
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, StageError, QADParams
+from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import DTYPES, input_device, load_model, load_tokenizer, resolve_device
 
 CHECKPOINT = "last"
@@ -435,3 +436,20 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     if world.size > 1:
         dist.destroy_process_group()
     return result
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str | None:
+    """The QAD stage: `qad-pipeline stage qad`; with qad.num_gpus > 1, torchrun runs this same
+    command in that many processes."""
+    selected = read_json(layout.selection_metrics)["selected"]
+    if selected is None:
+        raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
+    if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+        launch_processes(params, layout.root)
+        return None
+    result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+    if int(os.environ.get("RANK", "0")) != 0:  # only the first of the torchrun processes reports
+        return None
+    write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
+    return (f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}"
+            + (f" ({result['world_size']} processes)" if result["world_size"] > 1 else ""))

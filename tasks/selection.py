@@ -208,3 +208,8 @@ def run_selection(params: Params, layout: Layout) -> Selection:
     ])
     write_json(layout.selection_metrics, asdict(selection))
     return selection
+
+
+def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
+    """The selection stage: `qad-pipeline stage selection`."""
+    return run_selection(params, layout).reason

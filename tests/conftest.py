@@ -35,7 +35,7 @@ def demo_model_path():
 def pipeline_run(tmp_path_factory, demo_model_path):
     """The qad-pipeline flow, run once: two real recipes and a broken one, then QAD and export.
 
-    Returns (summary, layout, overrides, Prefect's latest artifacts).
+    Returns (summary, layout, overrides, {"artifacts": Prefect's latest artifacts, "task_runs": its task runs}).
     """
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
@@ -54,5 +54,5 @@ def pipeline_run(tmp_path_factory, demo_model_path):
     with prefect_test_harness(server_startup_timeout=120):
         summary = qad_pipeline(params_file=str(PROJECT_ROOT / "params.yaml"), overrides=overrides, out_root=str(root))
         with get_client(sync_client=True) as client:
-            artifacts = client.read_latest_artifacts()
-    return summary, Layout(root), overrides, artifacts
+            prefect = {"artifacts": client.read_latest_artifacts(), "task_runs": client.read_task_runs()}
+    return summary, Layout(root), overrides, prefect

@@ -44,3 +44,20 @@ def test_unknown_recipe_lists_available():
     params = load_params(overrides={"ptq.recipes": ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_typo"]})
     with pytest.raises(ConfigError, match=r"unknown recipe 'nvfp4_typo'.*available: \["):
         check_recipes(params)
+
+
+def test_every_code_default_is_params_yaml_value():
+    """params.yaml is the home of every default: where a pydantic field has one too, they agree,
+    and params.yaml spells out every key."""
+    import yaml
+    from pydantic_core import PydanticUndefined
+
+    from qad_pipeline.config import Params
+
+    written = yaml.safe_load(DEFAULT_PARAMS.read_text())
+    for section, info in Params.model_fields.items():
+        model = info.annotation
+        assert set(written[section]) == set(model.model_fields), section
+        for key, field in model.model_fields.items():
+            if field.default is not PydanticUndefined:
+                assert written[section][key] == field.default, f"{section}.{key}"

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.devstack import LocalPrefect
+from tests.devstack import LocalPrefect
 from tests.conftest import GOOD_RECIPES, TINY
 
 pytestmark = pytest.mark.slow

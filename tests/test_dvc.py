@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qad_pipeline.devstack import make_dvc_project, set_params, sh, tool_env
+from tests.devstack import make_dvc_project, set_params, sh, tool_env
 from tests.conftest import GOOD_RECIPES, TINY
 
 pytestmark = pytest.mark.slow

@@ -55,9 +55,25 @@ def test_recipes_ran_concurrently(run):
 
 
 def test_recipe_table_published_as_prefect_artifact(run):
-    _, _, artifacts, _ = run
-    keys = {a.key for a in artifacts}
+    _, _, prefect, _ = run
+    keys = {a.key for a in prefect["artifacts"]}
     assert {"recipe-table-demo-model", "qad-pipeline-report-demo-model", "mlflow-run-demo-model"} <= keys, keys
+
+
+def test_prefect_graph_has_the_dag_edges(run):
+    """The task runs' upstream dependencies, as Prefect's API records them (the UI draws these)."""
+    _, _, prefect, _ = run
+    runs = prefect["task_runs"]
+    names = {r.id: r.name for r in runs}
+    upstream = {r.name: {names[i.id] for inputs in r.task_inputs.values() for i in inputs if i.id in names}
+                for r in runs}
+    recipes = {f"ptq-{n}" for n in GOOD + [BROKEN]}
+    assert set(upstream) == {"calibration", "baseline", *recipes, "selection", "qad", "final_eval", "export"}
+    assert upstream["calibration"] == set()
+    assert upstream["baseline"] == {"calibration"}
+    assert all(upstream[r] == {"calibration", "baseline"} for r in recipes)
+    assert upstream["selection"] == {"baseline", *recipes}  # the failed recipe too: selection runs anyway
+    assert (upstream["qad"], upstream["final_eval"], upstream["export"]) == ({"selection"}, {"qad"}, {"final_eval"})
 
 
 def test_qad_and_export_ran(run):

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from qad_pipeline import nvfp4_cpu
-from qad_pipeline.nvfp4_cases import BLOCK, KINDS, sample
+from tests.nvfp4_cases import BLOCK, KINDS, sample
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 from modelopt.torch.quantization import tensor_quant  # noqa: E402

@@ -1,0 +1,78 @@
+"""The preflight: every input read cheaply, before any stage process starts (`preflight`).
+
+`qad-pipeline run`, `qad-pipeline stage` (by itself, as `dvc repro` runs it) and the Prefect flow
+call it; a failure is one `ConfigError` line naming the input and what would be valid.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+from qad_pipeline.config import Params, check_recipes
+
+
+@contextmanager
+def _quiet_libraries():
+    """While the preflight reads the inputs, the libraries keep their notices to themselves (datasets'
+    progress bars, transformers' and Model Optimizer's warnings at import, the note that NVFP4 runs
+    emulated, which every stage process that quantizes prints in its own log): a refusal is one line."""
+    import logging
+    import warnings
+
+    import datasets
+    import transformers
+
+    bars, verbosity = datasets.is_progress_bar_enabled(), transformers.logging.get_verbosity()
+    emulation_note = logging.getLogger("qad_pipeline.nvfp4_cpu")
+    note_level = emulation_note.level
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    emulation_note.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        emulation_note.setLevel(note_level)
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True) -> None:
+    """Every check that needs no model weights, before any stage process starts; a failure is one
+    `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
+    recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
+    and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
+    memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
+    (exists, decodes, yields the samples asked for), and (with `serving`) that the serving check's
+    vLLM environment exists when the export will run it. Value ranges across keys are checked when params.yaml is
+    loaded."""
+    from qad_pipeline import tracking as mlflow_tracking
+    from qad_pipeline.memory import check_fits, plan
+    from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
+    from qad_pipeline.tasks.calibration import check_calibration
+    from qad_pipeline.tasks.evaluate import check_tasks
+    from qad_pipeline.tasks.ptq import check_recipe
+
+    if tracking:
+        mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
+    check_recipes(params)
+    with _quiet_libraries():
+        check_base_model(
+            params.base_model,
+            {"calibration.seq_len": params.calibration.seq_len, "eval.seq_len": params.eval.seq_len,
+             "qad.seq_len": params.qad.seq_len},
+        )
+        check_tasks(params.eval)
+        for name in params.ptq.recipes:  # before the memory plan, which reads them
+            check_recipe(params.recipe_path(name))
+        if memory:
+            check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
+        check_model_files(params.base_model)
+        check_calibration(params, load_tokenizer(params.base_model))
+    if serving and params.selection.policy == "qad" and params.export.serving_check != "skip":
+        from qad_pipeline.serving import vllm_python
+
+        vllm_python()  # the export's serving check needs it: say so now, not after QAD

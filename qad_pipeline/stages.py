@@ -1,0 +1,220 @@
+"""The pipeline's stages, each declared once: `qad-pipeline dvc-yaml` writes dvc.yaml from here.
+
+    calibration ── baseline ── ptq × recipes ── selection ── qad ── final_eval ── export
+
+A `Stage` names its entry point (`module:function`, called as `entry(params, layout, recipe)`),
+the stages it waits for, the params.yaml keys it reads, its input data and the files it writes.
+Everything else reads this table: the CLI's `qad-pipeline stage` dispatch, `Layout.outputs`,
+the Prefect flow's tasks and their cache keys, `dvc.yaml` (generated, and a test proves it is
+current), the DVC stage names a Prefect run records and the GPU flows. A stage's code
+dependencies are not listed by hand: they are the project modules its entry module imports,
+directly or not, as `code_modules` finds them in the source.
+
+Adding a stage: a module under tasks/ with a `main(params, layout, recipe=None) -> str`, one
+`Stage(...)` below, then `qad-pipeline dvc-yaml` (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import shutil
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from qad_pipeline.config import Params
+    from qad_pipeline.layout import Layout
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "qad_pipeline"
+# Where the package's subpackages live in the tree (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"qad_pipeline.tasks": "tasks", "qad_pipeline.flows": "flows", PACKAGE: "qad_pipeline"}
+
+
+@dataclass(frozen=True)
+class Output:
+    """A path a stage writes, relative to the out-root (`{recipe}` for a per-recipe stage).
+
+    `kind` is how DVC declares it; `cleared` outputs are removed before the stage runs, so a
+    failed run leaves no stale result (the export folder is not: the export checks what it holds).
+    """
+
+    path: str
+    kind: Literal["outs", "metrics", "plots"] = "outs"
+    cleared: bool = True
+    plot: dict | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    entry: str
+    after: tuple[str, ...]
+    params: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[Output, ...]
+    per_recipe: bool = False
+    gpu: bool = False  # a GPU-heavy stage: a flow run on the GPU pool when the flow has `stage_deployment`
+    cached: bool = False  # taken from Prefect's cache when its inputs are unchanged
+    fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
+    done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
+
+    def run_name(self, recipe: str | None = None) -> str:
+        """Its Prefect task run, stage process and log name: `ptq-<recipe>`, else the stage's name."""
+        return f"{self.name}-{recipe}" if recipe else self.name
+
+    def dvc_name(self, recipe: str | None = None) -> str:
+        """Its name in dvc.yaml and dvc.lock: `ptq@<recipe>` for the foreach stage."""
+        return f"{self.name}@{recipe}" if recipe else self.name
+
+    def summary_key(self, recipe: str | None = None) -> str:
+        """Its key in the run summary's `seconds` and the artifact folder: `ptq/<recipe>`."""
+        return f"{self.name}/{recipe}" if recipe else self.name
+
+    def output_paths(self, root: Path, recipe: str | None = None, cleared_only: bool = False) -> list[Path]:
+        if self.per_recipe and recipe is None:
+            return []
+        return [root / fill(o.path, recipe) for o in self.outputs if o.cleared or not cleared_only]
+
+    def clear_outputs(self, root: Path, recipe: str | None = None) -> None:
+        for path in self.output_paths(root, recipe, cleared_only=True):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+    def run(self, params: Params, layout: Layout, recipe: str | None = None) -> str | None:
+        """Clear its outputs, then run its entry point; the one line it reports (None: nothing to say)."""
+        self.clear_outputs(layout.root, recipe)
+        module, function = self.entry.split(":")
+        return getattr(importlib.import_module(module), function)(params, layout, recipe)
+
+    @property
+    def module(self) -> str:
+        return self.entry.split(":")[0]
+
+    def code_files(self) -> list[Path]:
+        """The project's source files this stage runs: its entry module and all it imports."""
+        return [module_file(m) for m in code_modules(self.module)]
+
+
+def fill(template: str, recipe: str | None) -> str:
+    """A declared path for one recipe (`{recipe}`; the `${...}` of params.yaml are DVC's to fill)."""
+    return template.replace("{recipe}", recipe) if recipe is not None else template
+
+
+EVAL_DATA = "${eval.task_dir}"
+MODEL = "${base_model.path}"
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("calibration", "qad_pipeline.tasks.calibration:main", after=(),
+          params=("base_model.path", "base_model.revision", "base_model.trust_remote_code", "calibration",
+                  "eval.seq_len", "eval.ppl_samples", "eval.num_cloze", "eval.num_continuation"),
+          inputs=(MODEL, "${calibration.source}"),
+          outputs=(Output("artifacts/calibration"),)),
+    Stage("baseline", "qad_pipeline.tasks.evaluate:main", after=("calibration",),
+          params=("base_model", "eval"),
+          inputs=(MODEL, EVAL_DATA, "artifacts/calibration"),
+          outputs=(Output("metrics/baseline.json", "metrics"),
+                   Output("artifacts/baseline", note="the BF16 reference distribution every KL is measured against")),
+          gpu=True, cached=True, fingerprints=("artifacts/calibration/manifest.json",),
+          done=("metrics/baseline.json", "artifacts/baseline/reference/manifest.json")),
+    Stage("ptq", "qad_pipeline.tasks.ptq:main", after=("calibration", "baseline"),
+          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
+          inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
+          outputs=(Output("artifacts/ptq/{recipe}"),),
+          per_recipe=True, gpu=True, cached=True,
+          fingerprints=("${ptq.recipe_dir}/{recipe}.yaml", "artifacts/calibration/manifest.json",
+                        "artifacts/baseline/reference/manifest.json"),
+          done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint")),
+    Stage("selection", "qad_pipeline.tasks.selection:main", after=("baseline", "ptq"),
+          params=("ptq.recipes", "selection"),
+          inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
+                  "artifacts/baseline/items.json", "artifacts/ptq"),
+          outputs=(Output("metrics/selection.json", "metrics"), Output("metrics/ptq", "metrics"),
+                   Output("metrics/recovery.json", "plots", plot={
+                       "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
+                       "title": "Median recovery against effective bits per element, per PTQ recipe"}))),
+    Stage("qad", "qad_pipeline.tasks.qad:main", after=("selection",),
+          params=("base_model", "calibration", "qad"),
+          inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/calibration"),
+          outputs=(Output("artifacts/qad"),
+                   Output("metrics/qad_loss.json", "plots", plot={
+                       "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
+          gpu=True),
+    Stage("final_eval", "qad_pipeline.tasks.final_eval:main", after=("qad",),
+          params=("base_model", "eval"),
+          inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
+                  "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
+          outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
+          gpu=True),
+    Stage("export", "qad_pipeline.tasks.export:main", after=("final_eval",),
+          params=("base_model", "export"),
+          inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "metrics/selection.json"),
+          outputs=(Output("metrics/export.json", "metrics"), Output("artifacts/export", cleared=False)),
+          gpu=True),
+)}
+
+GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and not s.per_recipe)
+
+
+def stage(name: str) -> Stage:
+    try:
+        return STAGES[name]
+    except KeyError:
+        raise ValueError(f"unknown stage {name!r}: one of {list(STAGES)}") from None
+
+
+# -- code dependencies: the import graph ----------------------------------------------------------
+
+
+def module_file(module: str) -> Path:
+    """The source file of a project module, found in the tree without importing it."""
+    for package, folder in PACKAGE_DIRS.items():  # the longest package names first
+        if module == package or module.startswith(package + "."):
+            base = PROJECT_ROOT / folder / Path(*module[len(package) + 1:].split(".")) if module != package \
+                else PROJECT_ROOT / folder
+            return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    raise ValueError(f"{module} is not a module of {PACKAGE}")
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The project modules named by every import statement in `path`, function-local ones included."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names = [base, *(f"{base}.{alias.name}" for alias in node.names)]  # `from pkg import module`
+        else:
+            continue
+        found.update(n for n in names if n == PACKAGE or n.startswith(PACKAGE + "."))
+    return found
+
+
+@cache
+def code_modules(entry: str) -> tuple[str, ...]:
+    """`entry` and every project module it imports, directly or not, with their packages, sorted."""
+    seen: set[str] = set()
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = module_file(name)
+        if not path.is_file():  # `from module import name`: a name, not a module
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a module runs its packages
+        todo += _imports(name, path)
+    return tuple(sorted(seen))

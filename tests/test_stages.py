@@ -1,0 +1,79 @@
+"""The stage registry (qad_pipeline/stages.py): dvc.yaml is what it generates, and each stage's
+code dependencies are what its modules import."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from qad_pipeline.cli import Stage
+from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.stages import STAGES, code_modules, module_file
+from qad_pipeline.versioning import dvc_yaml, stage_names
+
+
+def test_dvc_yaml_is_generated_from_the_registry():
+    assert (PROJECT_ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run `qad-pipeline dvc-yaml`"
+
+
+def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
+    stages = yaml.safe_load(dvc_yaml())["stages"]
+    assert list(stages) == list(STAGES) == [s.value for s in Stage]
+    ptq = stages["ptq"]["do"]
+    assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
+    # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
+    assert {"qad_pipeline/modeling.py", "tasks/calibration.py", "qad_pipeline/nvfp4_cpu.py"} <= set(ptq["deps"])
+    assert "tasks/qad.py" not in ptq["deps"] and "qad" not in ptq["params"]
+    assert "artifacts/ptq/${item}" in ptq["outs"]
+    for name, stage in stages.items():
+        body = stage.get("do", stage)
+        for dep in body["deps"]:
+            if "$" not in dep:
+                assert (PROJECT_ROOT / dep).exists() or dep.startswith(("artifacts/", "metrics/")), (name, dep)
+
+
+def test_code_modules_follow_function_local_imports():
+    # tasks/qad.py imports qad_pipeline.runlock inside a function, and the package's __init__
+    # installs the CPU kernels from a function too
+    modules = code_modules("qad_pipeline.tasks.qad")
+    assert {"qad_pipeline.runlock", "qad_pipeline.nvfp4_cpu", "qad_pipeline", "qad_pipeline.tasks"} <= set(modules)
+    assert "qad_pipeline.cli" not in modules and "qad_pipeline.flows.pipeline" not in modules
+    assert module_file("qad_pipeline.tasks.qad") == PROJECT_ROOT / "tasks" / "qad.py"
+    assert module_file("qad_pipeline.flows") == PROJECT_ROOT / "flows" / "__init__.py"
+
+
+@pytest.mark.parametrize("stage", ["ptq", "export"])
+def test_import_graph_covers_what_python_really_imports(stage):
+    """Every project module that importing the stage's module loads is one of its code dependencies."""
+    module = STAGES[stage].module
+    script = (f"import sys, {module}\n"
+              "print(__import__('json').dumps(sorted(m for m in sys.modules if m.startswith('qad_pipeline'))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                       check=True, cwd=PROJECT_ROOT).stdout)
+    assert module in loaded
+    assert set(loaded) <= set(code_modules(module))
+
+
+def test_one_name_per_stage_everywhere():
+    ptq = STAGES["ptq"]
+    assert (ptq.run_name("r"), ptq.dvc_name("r"), ptq.summary_key("r")) == ("ptq-r", "ptq@r", "ptq/r")
+    assert stage_names([("calibration", None), ("ptq", "r")]) == ["calibration", "ptq@r"]
+    assert STAGES["export"].dvc_name() == "export"
+
+
+def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_one():
+    import signal
+
+    from qad_pipeline.flows.stages import exit_reason, oom_kills
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child.send_signal(signal.SIGTERM)
+    assert exit_reason(child.wait(), 0, 0) == "killed by SIGTERM"
+    assert exit_reason(-signal.SIGKILL, 3, 4) == "killed by the kernel's out-of-memory killer (SIGKILL)"
+    assert exit_reason(-signal.SIGKILL, 3, 3) == "killed by SIGKILL"
+    assert "see `dmesg`" in exit_reason(-signal.SIGKILL, None, None)
+    assert exit_reason(2, 0, 0) == "exit code 2"
+    kills = oom_kills()
+    assert kills is None or kills >= 0
