@@ -60,6 +60,7 @@ class Stage:
     per_recipe: bool = False
     gpu: bool = False  # a GPU-heavy stage: a flow run on the GPU pool when the flow has `stage_deployment`
     cached: bool = False  # taken from Prefect's cache when its inputs are unchanged
+    after_selection: bool = False  # runs only with selection.policy qad, on the selected recipe
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
 
@@ -145,21 +146,32 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
-          gpu=True),
+          gpu=True, after_selection=True),
     Stage("final_eval", "qad_pipeline.tasks.final_eval:main", after=("qad",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
-          gpu=True),
+          gpu=True, after_selection=True),
     Stage("export", "qad_pipeline.tasks.export:main", after=("final_eval",),
           params=("base_model", "export"),
           inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "metrics/selection.json"),
           outputs=(Output("metrics/export.json", "metrics"), Output("artifacts/export", cleared=False)),
-          gpu=True),
+          gpu=True, after_selection=True),
 )}
 
 GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and not s.per_recipe)
+
+
+def planned(params: Params) -> list[tuple[Stage, str | None]]:
+    """The stage processes a run starts, in order, one per recipe for a per-recipe stage; those
+    after selection only with `selection.policy: qad` (and only if a recipe is selected)."""
+    runs: list[tuple[Stage, str | None]] = []
+    for declared in STAGES.values():
+        if declared.after_selection and params.selection.policy != "qad":
+            continue
+        runs += [(declared, r) for r in params.ptq.recipes] if declared.per_recipe else [(declared, None)]
+    return runs
 
 
 def stage(name: str) -> Stage:

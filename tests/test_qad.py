@@ -14,8 +14,8 @@ import torch
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, StageError, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.qad import (CHECKPOINT, QADDiverged, World, check_processes, enable_gradient_checkpointing,
-                                    lr_lambda, resume, run_qad, save_checkpoint)
+from qad_pipeline.distributed import World, check_processes, resume, save_checkpoint
+from qad_pipeline.tasks.qad import CHECKPOINT, QADDiverged, enable_gradient_checkpointing, lr_lambda, run_qad
 
 
 def stage_cmd(layout, overrides):
