@@ -1,0 +1,86 @@
+"""Secrets kept out of the tracking store: every param, tag and JSON/text artifact passes through here.
+
+A key is secret-like when a word of it ends with token, secret, password, key or credential
+(`HF_TOKEN`, `api_key`, not `tokenizer`); the values of such environment variables and URL
+credentials (`user:pass@`) are scrubbed out of any text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+REDACTED = "***"
+# A name is split into words (at '_', '.', '-', digits and camelCase humps); it is secret-like when a
+# word ends with one of these: HF_TOKEN, api_key, apiKey, AWS_SECRET_ACCESS_KEY, db.password,
+# accesstoken; not tokenizer, tokens_per_step or keyframes.
+SECRET_WORD = re.compile(r"(token|secrets?|password|passwd|key|credentials?)$")
+NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
+MIN_SECRET_LENGTH = 6  # environment values shorter than this are not scrubbed out of text
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s:]*(?::[^/@\s]*)?@")
+
+
+def is_secret_name(key: str) -> bool:
+    """A key named like a secret: one of its words ends with token, secret, password, key or credential."""
+    return any(SECRET_WORD.search(word.lower()) for word in NAME_WORDS.findall(str(key)))
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of environment variables named like secrets, longest first."""
+    env = os.environ if environ is None else environ
+    values = {v for k, v in env.items() if is_secret_name(k) and v and len(v) >= MIN_SECRET_LENGTH}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact_text(text: str) -> str:
+    """`text` with every secret environment value and URL credential (`user:pass@`) replaced."""
+    for value in secret_values():
+        text = text.replace(value, REDACTED)
+    return URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value, default=str)
+    return str(value)
+
+
+def redact(key: str, value: Any) -> str:
+    """The text to log for a param or tag: REDACTED under a secret-like key, else scrubbed text.
+
+    Numbers and booleans are not secrets and pass unchanged, even under such a key
+    (`tokens_per_step`); `None` and empty strings stay as they are.
+    """
+    if value is None or value == "":
+        return _as_text(value)
+    if is_secret_name(key) and not isinstance(value, (bool, int, float)):
+        return REDACTED
+    return redact_text(_as_text(value))
+
+
+def redact_data(data: Any, key: str = "") -> Any:
+    """A JSON-like structure with `redact`'s rules applied to every string leaf."""
+    if isinstance(data, Mapping):
+        return {k: redact_data(v, str(k)) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [redact_data(v, key) for v in data]
+    if isinstance(data, str):
+        return redact(key, data)
+    return data
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings flattened with dots: {"qad": {"lr": 1e-4}} -> {"qad.lr": 1e-4}."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,260 @@
+"""Logging one pipeline run: the parent run (configuration, identity, provenance, headline
+metrics, description) and one child run per stage and recipe, read from the files."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import ConfigError, Params
+from qad_pipeline.layout import Layout
+from qad_pipeline.report import read_summary, report_markdown, run_description
+from qad_pipeline.stages import STAGES
+from qad_pipeline.tracking.children import (
+    REASON_FILE,
+    SHORT_REASON,
+    ChildRun,
+    read_children,
+    result_file,
+)
+from qad_pipeline.tracking.datasets import log_inputs
+from qad_pipeline.tracking.metrics import metric_key
+from qad_pipeline.tracking.redaction import flatten, redact, redact_data, redact_text
+from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
+from qad_pipeline.tracking.store import (
+    FLOW_RUN_ID,
+    GIT_COMMIT,
+    KIND,
+    LOGGED_AT,
+    NOTE,
+    PARENT,
+    RECIPE,
+    STAGE,
+    artifact_location,
+    client_for,
+    ensure_experiment,
+    experiment_name,
+    tracking_uri,
+)
+
+if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
+    from mlflow import MlflowClient
+
+HEADLINE = ("median_recovery", "median_recovery_ci_low", "median_recovery_ci_high", "kl_divergence",
+            "effective_bpe", "weight_error.median", "size_bytes")
+
+
+def _log_batch(client: MlflowClient, run_id: str, *, params: Mapping[str, Any] | None = None,
+               tags: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None,
+               timestamp_ms: int | None = None, steps: Iterable[tuple[str, float, int, int]] = ()) -> None:
+    """One log_batch; every param and tag value passes through redact. MLflow splits it into
+    batches within its limits and truncates param and tag values that are too long."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
+    p = [Param(k, redact(k, v)) for k, v in (params or {}).items()]
+    t = [RunTag(k, redact(k, v)) for k, v in (tags or {}).items() if v is not None]
+    m = [Metric(metric_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()
+         if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    m += [Metric(metric_key(k), float(v), ms, step) for k, v, ms, step in steps]
+    client.log_batch(run_id, metrics=m, params=p, tags=t)
+
+
+def _log_files(client: MlflowClient, run_id: str, dicts: Mapping[str, Any], texts: Mapping[str, str]) -> None:
+    for name, data in dicts.items():
+        client.log_dict(run_id, redact_data(data), name)
+    for name, text in texts.items():
+        client.log_text(run_id, redact_text(text), name)
+
+
+def _end_quietly(client: MlflowClient, run_id: str, status: str) -> None:
+    """End a run after an error without hiding that error (the store may be what failed)."""
+    try:
+        client.set_terminated(run_id, status)
+    except Exception:  # noqa: BLE001 (left RUNNING: mark_stale_runs ends it later)
+        pass
+
+
+def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
+                       uri: str | None = None, start_ms: int | None = None) -> str:
+    """Create the parent run of one pipeline run (RUNNING): configuration, identity, provenance.
+
+    Call it when the flow starts to have the run visible while it runs, then hand its id to
+    `log_pipeline(..., run_id=...)` at the end; `log_pipeline` calls it itself otherwise.
+    """
+    from mlflow.tracking.context.git_context import GitRunContext
+    from mlflow.tracking.context.registry import resolve_tags
+
+    uri = uri or tracking_uri(layout.root)
+    client = client_for(uri)
+    exp_id = ensure_experiment(client, experiment_name(params.base_model.path), artifact_location(uri, layout.root))
+    start_ms = start_ms if start_ms is not None else int(time.time() * 1000)
+    name = "pipeline-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(start_ms / 1000))
+    run = client.create_run(exp_id, start_time=start_ms, run_name=name, tags={KIND: "pipeline", **process_tags()})
+    run_id = run.info.run_id
+    # Path and revision now; the content hash is tagged by `log_pipeline` from this run's baseline
+    # (a baseline.json already in the out root may belong to an earlier run and another model).
+    identity = {"path": params.base_model.path, "revision": params.base_model.revision}
+    # MLflow's run context (mlflow.user, mlflow.source.*), but the caller's git commit: MLflow's
+    # git context reads the entry script's repository and never says "-dirty".
+    tags = resolve_tags({
+        LOGGED_AT: f"{int(time.time() * 1000):015d}",
+        "qad.out_root": str(layout.root),
+        **{f"base_model.{k}": v for k, v in identity.items()},
+        FLOW_RUN_ID: flow_run_id,
+        GIT_COMMIT: git_commit,
+        "git_commit": git_commit,
+    }, ignore=[GitRunContext])
+    config = params.model_dump(mode="json")
+    _log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
+    client.log_dict(run_id, redact_data(config), "config/params.json")
+    return run_id
+
+
+def _checkpoint_identity(layout: Layout, params: Params) -> dict:
+    """The base checkpoint's path, revision and sha256, as the baseline stage recorded it; when
+    there is no baseline yet, `checkpoint_identity` of the configured model (hashes a local folder)."""
+    if layout.baseline_metrics.is_file():
+        model = read_json(layout.baseline_metrics).get("model")
+        if isinstance(model, Mapping) and model.get("path"):
+            return dict(model)
+    try:
+        from qad_pipeline.modeling import checkpoint_identity
+
+        return checkpoint_identity(params.base_model)
+    except ConfigError:
+        return {"path": params.base_model.path, "revision": params.base_model.revision, "sha256": "unavailable"}
+
+
+def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, child: ChildRun) -> str:
+    """Log one ChildRun under the parent and end it with its status; returns its run id."""
+    tags = {PARENT: parent_run_id, KIND: "stage", STAGE: child.stage, **process_tags()}
+    if child.recipe:
+        tags[RECIPE] = child.recipe
+    run = client.create_run(experiment_id, start_time=child.start_ms, run_name=child.name, tags=tags)
+    run_id = run.info.run_id
+    try:
+        _log_batch(client, run_id, params=child.params, tags=child.tags, metrics=child.metrics,
+                   timestamp_ms=child.end_ms, steps=child.steps)
+        log_inputs(client, run_id, child.datasets)
+        _log_files(client, run_id, child.dicts, child.texts)
+    except BaseException:
+        _end_quietly(client, run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
+    return run_id
+
+
+def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str, float]:
+    """The parent run's metrics, so the runs table compares pipeline runs at a glance.
+
+    `selected.*`: the selected recipe's PTQ run (recovery, its interval, KL, bits, weight error);
+    `qad.*`: the final eval of the QAD model (recovery, interval, KL, PTQ's recovery);
+    `export.*`: the exported checkpoint (bits, size); and unprefixed `median_recovery`,
+    `median_recovery_ci_low/high`, `kl_divergence`, `effective_bpe`: those of the model the run
+    delivers (QAD's when it ran, else the selected PTQ recipe's), the same keys the recipe runs have.
+    """
+    by_stage = {c.stage: c for c in children if c.stage != "ptq"}
+    chosen = next((c for c in children if c.stage == "ptq" and c.recipe == selected), None)
+    out: dict[str, float] = {}
+    if chosen is not None:
+        out.update({f"selected.{k}": chosen.metrics[k] for k in HEADLINE if k in chosen.metrics})
+        out.update({k: chosen.metrics[k] for k in HEADLINE[:5] if k in chosen.metrics})
+    if "final_eval" in by_stage:
+        final = by_stage["final_eval"].metrics
+        keep = (*HEADLINE[:4], "ptq_median_recovery")
+        out.update({f"qad.{k}": final[k] for k in keep if k in final})
+        out.update({k: final[k] for k in HEADLINE[:4] if k in final})
+        for k in HEADLINE[1:3]:  # an interval from the selected recipe must not stand beside QAD's recovery
+            if k not in final:
+                out.pop(k, None)
+    if "export" in by_stage:
+        export = by_stage["export"].metrics
+        out.update({f"export.{k}": export[k] for k in ("effective_bpe", "size_bytes", "size_ratio", "passed")
+                    if k in export})
+        if "effective_bpe" in export:
+            out["effective_bpe"] = export["effective_bpe"]
+    return out
+
+
+def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
+    """(MLflow status, why) of a pipeline run, judged from which files exist.
+
+    FINISHED when the flow reached its end: selection chose nothing (the report says why), the
+    policy is ptq_final, or the export passed its checks. Otherwise FAILED, naming the first
+    stage whose result is missing.
+    """
+    if not layout.selection_metrics.is_file():
+        missing = next(s for s in STAGES if not STAGES[s].per_recipe and not result_file(layout, s).is_file())
+        return "FAILED", f"no result from {missing}"
+    selection = read_json(layout.selection_metrics)
+    if selection.get("selected") is None:
+        return "FINISHED", "no recipe selected: " + str(selection.get("reason"))
+    if params.selection.policy != "qad":
+        return "FINISHED", f"PTQ is the last step ({selection['selected']})"
+    for stage in (name for name, declared in STAGES.items() if declared.after_selection):
+        if not result_file(layout, stage).is_file():
+            return "FAILED", f"no result from {stage}"
+    if not read_json(layout.export_metrics).get("passed"):
+        return "FAILED", "export verification failed"
+    return "FINISHED", "exported"
+
+
+def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
+                 report: str | None = None, uri: str | None = None, run_id: str | None = None,
+                 status: str | None = None) -> str:
+    """Log one pipeline run from its files; returns the parent run's id.
+
+    Creates the parent run (or completes `run_id` from `start_pipeline_run`), one child per stage
+    and recipe whose files exist (see `read_children`), logs the datasets, the selection, the
+    report text and headline metrics on the parent and ends it with `status` (default: judged
+    from the files by `pipeline_status`). Runs left RUNNING by a killed earlier logger of this
+    host are marked first (`mark_stale_runs`).
+    """
+    from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
+
+    uri = uri or tracking_uri(layout.root)
+    client = client_for(uri)
+    mark_stale_runs(uri)
+    children = read_children(layout, params)
+    if run_id is None:
+        first = min((c.start_ms for c in children), default=None)
+        run_id = start_pipeline_run(layout, params, flow_run_id=flow_run_id, git_commit=git_commit, uri=uri,
+                                    start_ms=first)
+    parent = client.get_run(run_id)
+    exp_id = parent.info.experiment_id
+    try:
+        child_ids = {c.name: log_child(client, exp_id, run_id, c) for c in children}
+        by_stage = {c.stage: c for c in children}
+        log_inputs(client, run_id, by_stage["calibration"].datasets if "calibration" in by_stage else [])
+
+        derived_status, why = pipeline_status(layout, params)
+        tags: dict[str, Any] = {"qad.result": why, "qad.children": json.dumps(child_ids),
+                                **{f"base_model.{k}": v for k, v in _checkpoint_identity(layout, params).items()}}
+        if "selection" in by_stage:
+            sel = by_stage["selection"]
+            tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
+                         "qad.runner_up": sel.tags.get("runner_up"), "qad.selection.reason": sel.tags["reason"]})
+            _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
+                       {REASON_FILE: sel.texts[REASON_FILE]})
+        metrics = headline_metrics(children, tags.get("qad.selected"))
+        tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
+        if "selection" in by_stage and layout.baseline_metrics.is_file():
+            summary = read_summary(layout, params.ptq.recipes)
+            tags[NOTE] += "\n" + run_description(summary, reason_file=REASON_FILE, max_chars=MAX_TAG_VAL_LENGTH - 500)
+            client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
+        if report:
+            client.log_text(run_id, redact_text(report), "report.txt")
+        for png in sorted((layout.metrics / "plots").glob("*.png")):
+            client.log_artifact(run_id, str(png), "plots")
+        end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
+        _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
+    except BaseException:
+        _end_quietly(client, run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, status or derived_status, end_time=end_ms)
+    return run_id

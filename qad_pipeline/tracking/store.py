@@ -1,0 +1,197 @@
+"""Where runs are logged: the tracking store's URI, a fail-fast reachability check, the client,
+and the names this package gives experiments, registered models and tags."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qad_pipeline.config import ConfigError
+from qad_pipeline.tracking.redaction import redact_text
+
+if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
+    from mlflow import MlflowClient
+
+EXPERIMENT_PREFIX = "qad-pipeline/"
+MODEL_SUFFIX = "-nvfp4"
+MLFLOW_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # the cheapest read of MLflow's REST API
+DEFAULT_DB_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mssql": 1433}
+DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]", "pymysql": "PyMySQL"}
+
+# tags this package sets
+KIND = "qad.kind"  # "pipeline" (parent) or "stage" (child)
+STAGE = "qad.stage"
+RECIPE = "qad.recipe"
+HOST = "qad.host"
+PID = "qad.pid"
+PID_STARTED = "qad.pid_started"
+LOGGED_AT = "qad.logged_at"  # epoch ms, zero-padded: sorts as text
+ERROR = "error"
+PARENT = "mlflow.parentRunId"
+GIT_COMMIT = "mlflow.source.git.commit"
+NOTE = "mlflow.note.content"
+FLOW_RUN_ID = "prefect.flow_run_id"
+
+
+def git_commit() -> str | None:
+    """The project's current git commit (with "-dirty" when it has uncommitted changes), if any.
+
+    Not MLflow's git context: that reads the repository of the entry script (`sys.argv[0]`) and
+    never says "-dirty".
+    """
+    import subprocess
+
+    from qad_pipeline.config import project_root
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def tracking_uri(root: Path) -> str:
+    """`MLFLOW_TRACKING_URI` if set, else a SQLite file in the output root (no server to start)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    return f"sqlite:///{(Path(root).resolve() / 'mlflow.db').as_posix()}"
+
+
+def _check_db_driver(uri: str, shown: str) -> None:
+    """The database driver that SQLAlchemy would load for `uri` is importable (`postgresql://`
+    means psycopg 3 from SQLAlchemy 2.1 on, psycopg2 before; `postgresql+psycopg2://` names it)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        dialect = make_url(uri).get_dialect()
+    except Exception:  # noqa: BLE001 (a URI SQLAlchemy cannot parse: MLflow will say why)
+        return
+    try:
+        dialect.import_dbapi()
+    except ImportError as err:
+        module = getattr(err, "name", None) or str(err)
+        raise ConfigError(
+            f"MLflow tracking store {shown} needs the Python package {DRIVER_PACKAGES.get(module, module)!r} "
+            f"(module {module!r}), which is not installed"
+        ) from None
+
+
+def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
+    """Fail fast, with one `ConfigError` naming the URI, when the tracking store cannot be reached.
+
+    http(s): the server must answer MLflow's REST API (`GET /api/2.0/mlflow/experiments/search`) with
+    a JSON object within `timeout_s`; any other answer (a 404 from some other web server) is refused,
+    except 401/403 (an authenticating front: MLflow's client sends the MLFLOW_TRACKING_* credentials).
+    postgresql/mysql/mssql: the database driver must be importable and the host's port must
+    accept a TCP connection. sqlite: the database file's folder must exist or be creatable.
+    Other schemes (file, databricks, plugins) are not checked.
+    """
+    shown = redact_text(uri)
+    parsed = urllib.parse.urlparse(uri)
+    scheme = parsed.scheme.lower()
+    base = scheme.split("+", 1)[0]
+    hint = "start it, or unset MLFLOW_TRACKING_URI to log into sqlite:///<out-root>/mlflow.db"
+    if scheme in ("http", "https"):
+        not_mlflow = (f"MLflow tracking server {shown} answers but is not an MLflow tracking server ({{}} on "
+                      f"GET {MLFLOW_PROBE}); point MLFLOW_TRACKING_URI at an `mlflow server`, or unset it to log "
+                      "into sqlite:///<out-root>/mlflow.db")
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + MLFLOW_PROBE, timeout=timeout_s) as answer:  # noqa: S310
+                body = answer.read(1 << 16)
+        except urllib.error.HTTPError as err:
+            if err.code in (401, 403):  # an authenticating front; MLflow's client sends MLFLOW_TRACKING_* credentials
+                return
+            raise ConfigError(not_mlflow.format(f"HTTP {err.code}")) from None
+        except (urllib.error.URLError, OSError, ValueError) as err:
+            reason = getattr(err, "reason", err)
+            raise ConfigError(
+                f"MLflow tracking server {shown} cannot be reached ({reason}) within {timeout_s:g}s; {hint}"
+            ) from None
+        try:
+            answer_is_json_object = isinstance(json.loads(body), dict)
+        except ValueError:
+            answer_is_json_object = False
+        if not answer_is_json_object:
+            raise ConfigError(not_mlflow.format("an answer that is not MLflow's JSON"))
+        return
+    if base in DEFAULT_DB_PORTS:
+        _check_db_driver(uri, shown)
+        if parsed.hostname:
+            port = parsed.port or DEFAULT_DB_PORTS[base]
+            try:
+                socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+            except OSError as err:
+                raise ConfigError(
+                    f"MLflow tracking database {shown} cannot be reached at {parsed.hostname}:{port} ({err}); {hint}"
+                ) from None
+        return
+    if scheme == "sqlite":
+        path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if path and path != ":memory:":
+            folder = Path(path).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ConfigError(f"MLflow tracking database {shown}: cannot create {folder} ({err})") from None
+
+
+def experiment_name(base_model_path: str) -> str:
+    """The experiment of one base model: `qad-pipeline/<path or hub id>`."""
+    return redact_text(EXPERIMENT_PREFIX + base_model_path.strip())
+
+
+def registered_model_name(base_model_path: str) -> str:
+    """The registered model of one base model's NVFP4 exports, e.g. `demo-model-nvfp4`.
+
+    MLflow model names may not hold '/' or ':'; anything but letters, digits, '_', '-' and '.'
+    becomes '-'.
+    """
+    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "-", redact_text(base_model_path.strip())).strip("-.")
+    return (stem or "model")[:200] + MODEL_SUFFIX
+
+
+def client_for(uri: str) -> MlflowClient:
+    """An MlflowClient on `uri` for both tracking and the model registry."""
+    from mlflow import MlflowClient
+
+    if uri.startswith("sqlite:"):
+        check_reachable(uri)  # creates the database's folder
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def artifact_location(uri: str, root: Path) -> str | None:
+    """Where a new experiment keeps its artifacts: beside the data for a database the process
+    writes itself (sqlite, postgresql, ...); a tracking server chooses its own."""
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    if scheme in ("http", "https", "databricks", "databricks-uc", "file", ""):
+        return None
+    return (Path(root).resolve() / "mlartifacts").as_uri()
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
+    """The id of experiment `name`, created (or restored from deletion) when needed."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(name, artifact_location=artifact_location)
+        except MlflowException:  # created meanwhile by another process
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
