@@ -33,14 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/devstack.py: the local stack
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import DEFAULT_PARAMS, load_params
+from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
 
 
 def run_flow(root: Path, overrides: list[str]) -> dict:
     from qad_pipeline.flows.pipeline import qad_pipeline
 
-    return qad_pipeline(params_file=str(DEFAULT_PARAMS), overrides=overrides, out_root=str(root))
+    return qad_pipeline(params_file=str(PROJECT_PARAMS), overrides=overrides, out_root=str(root))
 
 
 def forward_ms(model, batch: torch.Tensor, repeats: int = 5) -> float:

@@ -130,9 +130,9 @@ def run_stage(stage: str, recipe: str | None, job: Job) -> float:
         return run_stage_process([stage, recipe], job.params_file, job.overrides, job.layout, job.threads)
 
 
-def submit(job: Job, stage: str, recipe: str | None = None, after: list | None = None) -> PrefectFuture:
-    """Submit one stage's task run, named as the registry names it, waiting for `after` (its edges
-    in the Prefect graph); a cached stage whose outputs are gone runs again."""
+def stage_task(job: Job, stage: str, recipe: str | None = None):
+    """The generic stage task with one stage's name and run name (`ptq-<recipe>`: no random
+    suffix), and for a cached stage its cache key; one whose outputs are gone runs again."""
     declared = STAGES[stage]
     options: dict[str, Any] = {"name": stage, "task_run_name": declared.run_name(recipe)}
     if declared.cached:
@@ -140,7 +140,12 @@ def submit(job: Job, stage: str, recipe: str | None = None, after: list | None =
                        refresh_cache=not outputs_present(declared, job.layout, recipe))
     else:
         options.update(cache_policy=NO_CACHE, persist_result=False)
-    return run_stage.with_options(**options).submit(stage, recipe, job, wait_for=after or [])
+    return run_stage.with_options(**options)
+
+
+def submit(job: Job, stage: str, recipe: str | None = None, after: list | None = None) -> PrefectFuture:
+    """Submit one stage's task run, waiting for `after` (its edges in the Prefect graph)."""
+    return stage_task(job, stage, recipe).submit(stage, recipe, job, wait_for=after or [])
 
 
 def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:
@@ -171,7 +176,7 @@ def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: 
 
 @flow(name="qad-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=16), log_prints=True)
 def qad_pipeline(
-    params_file: str = "params.yaml",
+    params_file: str = "params.yaml",  # config.DEFAULT_PARAMS; a literal, for the deployment's schema
     overrides: list[str] | None = None,
     out_root: str | None = None,
     base_model: str | None = None,

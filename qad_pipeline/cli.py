@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 
 from qad_pipeline.config import (
+    DEFAULT_PARAMS,
     ConfigError,
     Params,
     StageError,
@@ -34,7 +35,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP
 ParamsOpt = Annotated[
     Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
 ]
-DEFAULT_PARAMS = Path("params.yaml")
 SetOpt = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),

@@ -15,7 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
-DEFAULT_PARAMS = PROJECT_ROOT / "params.yaml"
+PROJECT_PARAMS = PROJECT_ROOT / "params.yaml"  # this checkout's own params.yaml (the bundled defaults)
+DEFAULT_PARAMS = Path("params.yaml")  # what the CLI and the flows read unless told: the working directory's
 # Relative paths in a params file are relative to the file's folder (the project folder, where
 # dvc.yaml sits), whatever the working directory; load_params records that folder here.
 _params_root: Path | None = None
@@ -242,7 +243,7 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 
 
 def load_params(
-    path: Path = DEFAULT_PARAMS, overrides: list[str] | dict[str, Any] | None = None
+    path: Path = PROJECT_PARAMS, overrides: list[str] | dict[str, Any] | None = None
 ) -> Params:
     """Load and validate params.yaml with overrides applied; its folder becomes the project root."""
     global _params_root

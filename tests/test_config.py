@@ -2,7 +2,7 @@
 
 import pytest
 
-from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, check_recipes, load_params
+from qad_pipeline.config import PROJECT_PARAMS, ConfigError, check_recipes, load_params
 
 
 def test_defaults_load_and_name_five_recipes_with_files():
@@ -34,7 +34,7 @@ def test_bad_override_names_the_key(override, message):
 
 def test_misspelt_key_in_params_file(tmp_path):
     bad = tmp_path / "params.yaml"
-    text = DEFAULT_PARAMS.read_text().replace("num_samples:", "num_sampels:")
+    text = PROJECT_PARAMS.read_text().replace("num_samples:", "num_sampels:")
     bad.write_text(text)
     with pytest.raises(ConfigError, match="unknown key 'calibration.num_sampels'"):
         load_params(bad)
@@ -54,7 +54,7 @@ def test_every_code_default_is_params_yaml_value():
 
     from qad_pipeline.config import Params
 
-    written = yaml.safe_load(DEFAULT_PARAMS.read_text())
+    written = yaml.safe_load(PROJECT_PARAMS.read_text())
     for section, info in Params.model_fields.items():
         model = info.annotation
         assert set(written[section]) == set(model.model_fields), section

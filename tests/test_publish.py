@@ -10,7 +10,7 @@ import re
 from qad_pipeline.flows import publish
 
 from qad_pipeline import tracking
-from qad_pipeline.config import DEFAULT_PARAMS, load_params
+from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
 
 ROWS = [{"choice": "", "name": "bf16", "status": "ok", "median rec. %": 100.0, "CI %": ""},
@@ -19,20 +19,22 @@ ROWS = [{"choice": "", "name": "bf16", "status": "ok", "median rec. %": 100.0, "
 
 
 def test_artifact_keys_are_per_base_model_and_valid_prefect_keys():
-    keys = [publish.artifact_key("recipe-table", load_params(DEFAULT_PARAMS, {"base_model.path": path}))
+    keys = [publish.artifact_key("recipe-table", load_params(PROJECT_PARAMS, {"base_model.path": path}))
             for path in ("demo/model", "nvidia/NVIDIA-Nemotron-3_Nano:30B", "/data/ckpts/Llama 3.1")]
     assert keys[0] == "recipe-table-demo-model"
     assert len(set(keys)) == 3
     assert all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", k) for k in keys), keys
 
 
-def test_pipeline_tasks_have_fixed_run_names():
+def test_pipeline_tasks_have_fixed_run_names(tmp_path):
     from qad_pipeline.flows import pipeline
+    from qad_pipeline.stages import STAGES
 
-    for task in (pipeline.calibration, pipeline.baseline, pipeline.selection, pipeline.qad, pipeline.final_eval,
-                 pipeline.export):
-        assert task.task_run_name == task.name  # no random suffix: the stage's one name
-    assert pipeline.ptq.task_run_name == "ptq-{recipe}"
+    job = pipeline.Job(str(PROJECT_PARAMS), [], Layout(tmp_path))
+    for stage in STAGES:
+        task = pipeline.stage_task(job, stage, "r1" if STAGES[stage].per_recipe else None)
+        assert task.name == stage
+        assert task.task_run_name == ("ptq-r1" if stage == "ptq" else stage)  # no random suffix: the stage's one name
 
 
 def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_path, monkeypatch):
@@ -41,7 +43,7 @@ def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_pat
     from prefect.testing.utilities import prefect_test_harness
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    params = load_params(DEFAULT_PARAMS, {"base_model.path": "some-org/Some_Model"})
+    params = load_params(PROJECT_PARAMS, {"base_model.path": "some-org/Some_Model"})
     layout = Layout(tmp_path)
     client = tracking.client_for(tracking.tracking_uri(tmp_path))
     exp = tracking.ensure_experiment(client, tracking.experiment_name(params.base_model.path))
