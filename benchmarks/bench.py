@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/devstack.p
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import PTQResult, PTQScores, read_result
 
 
 def run_flow(root: Path, overrides: list[str]) -> dict:
@@ -185,9 +186,9 @@ def flow_figures(root: Path, params) -> None:
     print("\n== PTQ worker peak memory (RSS, MB) ==")
     layout = Layout(root / "parallel")
     for recipe in params.ptq.recipes:
-        path = layout.ptq(recipe) / "scores.json"
-        if path.is_file():
-            print(f"{recipe:<45} {read_json(path)['peak_rss_mb']:8.0f}")
+        scores = read_result(layout.ptq(recipe) / "scores.json", PTQResult, missing_ok=True)
+        if isinstance(scores, PTQScores):  # an alias recipe did not run: no peak of its own
+            print(f"{recipe:<45} {scores.peak_rss_mb:8.0f}")
 
     print(f"\n== forward pass, batch {params.ptq.calib_batch_size} x {params.calibration.seq_len} tokens (ms, median of 5) ==")
     times = forward_times(params, layout)

@@ -41,8 +41,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from qad_pipeline import tracking, versioning
-from qad_pipeline.artifacts import list_files, read_json
+from qad_pipeline import processes, tracking, versioning
+from qad_pipeline.artifacts import list_files
 from qad_pipeline.config import load_params, resolve
 from qad_pipeline.flows.publish import link_tracking, publish_recipe_table, publish_report
 from qad_pipeline.flows.stages import StageFailed, run_stage_process
@@ -50,6 +50,7 @@ from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
 from qad_pipeline.preflight import preflight
 from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
+from qad_pipeline.results import ExportMetrics, QADMetrics, SelectionResult, dump_result, read_result
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 from qad_pipeline.stages import STAGES, Stage, fill
 
@@ -214,6 +215,11 @@ def qad_pipeline(
         except StageFailed as err:
             track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
             raise
+        except BaseException as err:  # SIGTERM or a Prefect cancel (TerminationSignal), Ctrl-C
+            stopped = processes.stop_all()
+            get_run_logger().warning("stopped (%s): %d stage process(es) stopped", type(err).__name__, len(stopped))
+            track(layout, params, f"KILLED: stopped ({type(err).__name__})", parent_run, None, status="KILLED")
+            raise
         summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
         summary["mlflow"] = track(layout, params, report_text(summary), parent_run, summary.get("export"))
     recorded, summary["dvc"] = versioning.record_run(layout.root, Path(params_file), overrides,
@@ -253,20 +259,20 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     selection = submit(job, "selection", after=[baseline, *map(allow_failure, recipes.values())])
     seconds["selection"] = selection.result()
     ran.append(("selection", None))
-    chosen = read_json(layout.selection_metrics)
-    summary = {"selection": chosen, "recipes": recipe_rows(layout, params.ptq.recipes),
+    chosen = read_result(layout.selection_metrics, SelectionResult)
+    summary = {"selection": dump_result(chosen), "recipes": recipe_rows(layout, params.ptq.recipes),
                "weight_error": weight_error_rows(layout, params.ptq.recipes),
                "failed": failed, "cached": cached, "baseline_cached": baseline.state.name == "Cached",
                "seconds": seconds, "root": str(layout.root)}
     publish_recipe_table(params, summary)
-    if chosen["selected"] is not None and params.selection.policy == "qad":
+    if chosen.selected is not None and params.selection.policy == "qad":
         upstream = selection
         for stage in ("qad", "final_eval", "export"):
             upstream = submit(job, stage, after=[upstream])
             seconds[stage] = upstream.result()
             ran.append((stage, None))
-        summary["qad"] = read_json(layout.qad_metrics)
-        summary["export"] = read_json(layout.export_metrics)
+        summary["qad"] = dump_result(read_result(layout.qad_metrics, QADMetrics))
+        summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
     publish_report(params, summary)
     return summary, ran
 

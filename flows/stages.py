@@ -6,6 +6,7 @@ that crashes or runs out of memory fails alone and the flow reports it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,8 +16,10 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
+from qad_pipeline import processes
 from qad_pipeline.artifacts import write_json
 from qad_pipeline.layout import Layout
+from qad_pipeline.processes import exit_reason, oom_kills
 
 
 class StageFailed(RuntimeError):
@@ -32,33 +35,6 @@ def _high_water_kb(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def oom_kills() -> int | None:
-    """How many processes the kernel's OOM killer has killed in this cgroup (None: not known here)."""
-    for path, key in ((Path("/sys/fs/cgroup/memory.events"), "oom_kill"),  # cgroup v2
-                      (Path("/sys/fs/cgroup/memory/memory.oom_control"), "oom_kill")):  # cgroup v1
-        try:
-            for line in path.read_text().splitlines():
-                name, _, value = line.partition(" ")
-                if name == key:
-                    return int(value)
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def exit_reason(code: int, oom_before: int | None, oom_after: int | None) -> str:
-    """Why a stage process ended: its exit code, or the signal that killed it; out of memory only
-    when the kernel's OOM killer counted a kill meanwhile."""
-    if code >= 0:
-        return f"exit code {code}"
-    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-    if -code == signal.SIGKILL and oom_before is not None and oom_after is not None and oom_after > oom_before:
-        return f"killed by the kernel's out-of-memory killer ({name})"
-    if -code == signal.SIGKILL and oom_before is None:
-        return f"killed by {name} (the kernel's out-of-memory killer sends it: see `dmesg`)"
-    return f"killed by {name}"
 
 
 def wait_with_peak(pid: int) -> tuple[int, int]:
@@ -107,13 +83,19 @@ def run_stage_process(
         child_env["OMP_NUM_THREADS"] = str(threads)
     oom_before = oom_kills()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env)
+        # its own process group: a cancelled run stops it and whatever it started (processes.stop_all)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env,
+                                start_new_session=True)
+        processes.started(proc)
         try:
             status, peak_kb = wait_with_peak(proc.pid)
         except BaseException:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
+        finally:
+            processes.finished(proc)
         proc.returncode = code = os.waitstatus_to_exitcode(status)
     finished = time.time()
     elapsed = finished - started

@@ -36,9 +36,15 @@ def read_json(path: Path) -> Any:
 
 @contextmanager
 def staged_dir(final: Path):
-    """Yield a fresh temporary folder beside `final`; on success it replaces `final` whole."""
+    """Yield a fresh temporary folder beside `final`; on success it replaces `final` whole.
+
+    A folder a killed process was staging (`.<name>.*.partial`, SIGKILL leaves no time to remove
+    it) is removed first: the stage that writes `final` holds the out-root's lock, so it is nobody's.
+    """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{final.name}.*.partial"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".partial"))
     tmp.chmod(0o755)
     try:

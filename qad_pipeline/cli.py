@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from enum import Enum
@@ -17,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from qad_pipeline import processes
 from qad_pipeline.config import (
     DEFAULT_PARAMS,
     ConfigError,
@@ -31,6 +33,15 @@ from qad_pipeline.runlock import TOKEN_ENV, run_lock
 from qad_pipeline.stages import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
+_debug = False
+
+
+@app.callback()
+def _options(
+    debug: Annotated[bool, typer.Option("--debug", help="on a refused input, show the traceback too")] = False,
+) -> None:
+    global _debug
+    _debug = debug
 
 ParamsOpt = Annotated[
     Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
@@ -61,7 +72,13 @@ def resolve_params(params_file: Path, overrides: list[str] | None, base_model: s
 
 
 def _fail(err: Exception) -> None:
-    typer.echo(f"error: {err}", err=True)
+    from qad_pipeline.redaction import redact_text
+
+    if _debug:
+        import traceback
+
+        typer.echo(redact_text("".join(traceback.format_exception(err))), err=True)
+    typer.echo(f"error: {redact_text(str(err))}", err=True)  # an echoed --set item may hold a secret
     raise typer.Exit(2)
 
 
@@ -88,12 +105,20 @@ def run(
 
     from qad_pipeline.runlock import LockHeld
 
+    from prefect.exceptions import TerminationSignal
+
+    processes.raise_on_signals()  # Prefect passes a SIGTERM on to this handler once the flow has stopped
     try:
         summary = qad_pipeline(params_file=str(params_file), overrides=list(overrides or []), out_root=str(out_root),
                                base_model=base_model)
     except (StageFailed, LockHeld) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
+    except (processes.Stopped, KeyboardInterrupt, TerminationSignal) as err:  # the flow stopped its stages
+        sig = getattr(err, "signal", signal.SIGINT)
+        typer.echo(f"error: stopped by {signal.Signals(sig).name}; every stage process was stopped and nothing "
+                   "half-written is left: the same command resumes", err=True)
+        raise typer.Exit(128 + sig) from None
     typer.echo(report_text(summary))
     tracked = summary.get("mlflow", {})
     if "run_id" in tracked:
@@ -128,6 +153,11 @@ def stage(
         _fail(err)
 
     layout = Layout(output_root(out_root, params_file))
+    processes.exit_on_sigterm()  # a stopped stage cleans up: no half-written output is left
+    if TOKEN_ENV in os.environ:  # started by a pipeline run: it ends when that run's process ends
+        processes.die_with_parent(signal.SIGTERM)
+        if os.getppid() == 1:
+            _fail(ConfigError("the pipeline run that started this stage has already ended"))
     what = f"run stage {name.value}" + (f" {recipe}" if recipe else "")
     try:
         with run_lock(layout.root, what, on_stale=lambda msg: typer.echo(f"warning: {msg}", err=True)):

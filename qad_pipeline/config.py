@@ -7,12 +7,15 @@ the result; every model forbids unknown keys, so a misspelt key fails with its n
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from qad_pipeline.redaction import flatten, secret_in
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
 PROJECT_PARAMS = PROJECT_ROOT / "params.yaml"  # this checkout's own params.yaml (the bundled defaults)
@@ -256,10 +259,21 @@ def load_params(
                           f"found a {type(data).__name__}")
     if overrides:
         data = apply_overrides(data, overrides)
+    check_no_secrets(data, str(path))
     try:
         return Params.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, str(path))) from None
+
+
+def check_no_secrets(data: dict, source: str) -> None:
+    """Refuse a value that holds a secret (an environment secret's value, URL credentials): a
+    parameter reaches the console, the stage logs, MLflow and Prefect's database."""
+    for key, value in flatten(data).items():
+        found = secret_in(value if isinstance(value, str) else json.dumps(value, default=str))
+        if found:
+            raise ConfigError(f"{source}: {key} holds {found}; give secrets to the process through the "
+                              "environment (HF_TOKEN, AWS_*, MLFLOW_TRACKING_PASSWORD, ...), never in a parameter")
 
 
 def check_recipes(params: Params, root: Path | None = None) -> None:

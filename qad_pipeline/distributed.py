@@ -5,7 +5,6 @@ checkpoint (torch.distributed.checkpoint). `tasks/qad.py` runs the loop; see its
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import pickle
@@ -19,12 +18,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from qad_pipeline.artifacts import staged_dir
 from qad_pipeline.config import ConfigError, Params, StageError
 from qad_pipeline.modeling import DTYPES, input_device, load_model, resolve_device
+from qad_pipeline.processes import die_with_parent
 
 
 def check_processes(params: Params) -> None:
@@ -65,12 +69,6 @@ def launch_processes(params: Params, out_root: Path) -> None:
         raise
     if code != 0:
         raise StageError(f"qad: the {n} torchrun processes failed (exit code {code}); the failing one's error is above")
-
-
-def die_with_parent(sig: int) -> None:
-    """Linux: this process gets `sig` when its parent dies, so a killed stage leaves no QAD process behind."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
 
 
 @dataclass(frozen=True)

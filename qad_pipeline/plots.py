@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qad_pipeline.artifacts import read_json
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import (ExportMetrics, QADMetrics, QADTraining, RecipeMetrics, RecipeResult,
+                                  SelectionResult, read_result)
 
 
 def _pyplot():
@@ -36,26 +37,20 @@ def _save(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path
     return out
 
 
-def _ci(value) -> tuple[float, float] | None:
-    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value):
-        return float(value[0]), float(value[1])
-    return None
-
-
 def _recipe_points(layout: Layout, recipes: list[str]) -> list[dict]:
     """One point per recipe that ran (aliases folded into the recipe they are the same as)."""
-    selection = read_json(layout.selection_metrics) if layout.selection_metrics.is_file() else {}
-    table = {r.get("name"): r for r in selection.get("table") or []}
+    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
+    table = {r.name: r for r in selection.table} if selection is not None else {}
     points: dict[str, dict] = {}
     for name in recipes:
-        path = layout.ptq_metrics(name)
-        if path.is_file() and (m := read_json(path)).get("status") == "ok":
-            points[name] = {"names": [name], "bpe": m["effective_bpe"], "rec": m["median_recovery"],
-                            "ci": _ci(m.get("median_recovery_ci") or table.get(name, {}).get("median_recovery_ci"))}
+        m = read_result(layout.ptq_metrics(name), RecipeResult, missing_ok=True)
+        if isinstance(m, RecipeMetrics):
+            points[name] = {"names": [name], "bpe": m.effective_bpe, "rec": m.median_recovery,
+                            "ci": m.median_recovery_ci}
     for name in recipes:
-        alias_of = table.get(name, {}).get("alias_of")
-        if table.get(name, {}).get("status") == "alias" and alias_of in points:
-            points[alias_of]["names"].append(name)
+        row = table.get(name)
+        if row is not None and row.status == "alias" and row.alias_of in points:
+            points[row.alias_of]["names"].append(name)
             points.pop(name, None)
     return list(points.values())
 
@@ -81,8 +76,8 @@ def recovery_figure(layout: Layout, recipes: list[str]):
     points = _recipe_points(layout, recipes)
     if not points:
         return None
-    selection = read_json(layout.selection_metrics) if layout.selection_metrics.is_file() else {}
-    selected = selection.get("selected")
+    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
+    selected = selection.selected if selection is not None else None
     plt, fig, ax = _figure((7, 4.5))
     colors = plt.get_cmap("tab10").colors
     ys = []
@@ -102,16 +97,15 @@ def recovery_figure(layout: Layout, recipes: list[str]):
                     label=f"{i + 1}: {label}", zorder=3 if is_selected else 2)
         texts.append(ax.annotate(str(i + 1), (p["bpe"], y), xytext=(10 if is_selected else 6, 2), textcoords="offset points", fontsize=8))
     if layout.qad_metrics.is_file() and layout.export_metrics.is_file():
-        q, e = read_json(layout.qad_metrics), read_json(layout.export_metrics)
-        y = 100 * q["median_recovery"]
-        ci = _ci(q.get("median_recovery_ci"))
-        yerr = None if ci is None else [[max(0.0, y - 100 * ci[0])], [max(0.0, 100 * ci[1] - y)]]
-        ys += [y] + ([100 * ci[0], 100 * ci[1]] if ci else [])
-        ax.errorbar([e["effective_bpe"]], [y], yerr=yerr, fmt="D", ms=7, color="black", capsize=3,
+        q, e = read_result(layout.qad_metrics, QADMetrics), read_result(layout.export_metrics, ExportMetrics)
+        y, (ci_low, ci_high) = 100 * q.median_recovery, q.median_recovery_ci
+        yerr = [[max(0.0, y - 100 * ci_low)], [max(0.0, 100 * ci_high - y)]]
+        ys += [y, 100 * ci_low, 100 * ci_high]
+        ax.errorbar([e.effective_bpe], [y], yerr=yerr, fmt="D", ms=7, color="black", capsize=3,
                     label="QAD (exported)")
     low, high = min(ys), max(ys)
     pad = max(0.5, 0.1 * (high - low))
-    band = _ci(selection.get("band"))
+    band = selection.band if selection is not None else None
     if band is not None:
         b_low, b_high = 100 * band[0], 100 * band[1]
         low, high = min(low, b_low) if b_low > low - 5 else low, max(high, b_high) if b_high < high + 5 else high
@@ -147,9 +141,9 @@ def qad_loss_curve(layout: Layout, out: Path) -> Path | None:
     path = layout.qad / "loss.json"
     if not path.is_file():
         return None
-    losses = read_json(path)["losses"]
+    losses = read_result(path, QADTraining).losses
     plt, fig, ax = _figure()
-    ax.plot([p["step"] for p in losses], [p["loss"] for p in losses])
+    ax.plot([p.step for p in losses], [p.loss for p in losses])
     return _save(plt, fig, ax, out, "step", "KL(teacher || student) per token", "QAD distillation loss")
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from qad_pipeline.config import Params, check_recipes
+from qad_pipeline.config import ConfigError, Params, check_recipes
+from qad_pipeline.redaction import secret_in
 
 
 @contextmanager
@@ -67,7 +68,11 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
         )
         check_tasks(params.eval)
         for name in params.ptq.recipes:  # before the memory plan, which reads them
-            check_recipe(params.recipe_path(name))
+            path = params.recipe_path(name)
+            found = secret_in(path.read_text(errors="replace"))
+            if found:
+                raise ConfigError(f"{path} holds {found}: a recipe is logged to MLflow and Prefect; remove it")
+            check_recipe(path)
         if memory:
             check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
         check_model_files(params.base_model)

@@ -11,10 +11,22 @@ one line with `|` escaped, and failures are listed below a table, never inside i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.artifacts import read_json
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import (
+    BaselineMetrics,
+    ExportMetrics,
+    QADMetrics,
+    RecipeFailed,
+    RecipeMetrics,
+    RecipeResult,
+    RecipeRow,
+    RunSummary,
+    SelectionResult,
+    read_result,
+)
 
 SELECTED_MARK = "★ selected"
 MAX_ERROR_CHARS = 300
@@ -35,25 +47,32 @@ def _round(x: Any, digits: int) -> float | None:
     return None if not isinstance(x, (int, float)) else round(float(x), digits)
 
 
-def _selection_rows(layout: Layout) -> dict[str, dict]:
-    if not layout.selection_metrics.is_file():
-        return {}
-    return {r["name"]: r for r in read_json(layout.selection_metrics).get("table") or [] if r.get("name")}
-
-
-def _measured(name: str, m: dict, tasks: list[str]) -> dict:
-    weight = m.get("weight_error") if isinstance(m.get("weight_error"), dict) else {}
-    size = m.get("size_bytes")
+def _columns_of(tasks: list[str], recovery: Mapping[str, float | None], median: float | None, ci: Any,
+                bpe: float | None, kl: float | None, weight: float | None, kv: str | None,
+                size: int | None) -> dict:
     return {
-        **{f"{t} rec. %": _pct((m.get("tasks") or {}).get(t, {}).get("recovery")) for t in tasks},
-        "median rec. %": _pct(m.get("median_recovery")),
-        "CI %": _interval(m.get("median_recovery_ci")),
-        "bits/elem": _round(m.get("effective_bpe"), 3),
-        "KL": _round(m.get("kl_divergence"), 4),
-        "weight err.": _round(weight.get("median"), 4),
-        "KV cache": m.get("kv_cache") or "",
+        **{f"{t} rec. %": _pct(recovery.get(t)) for t in tasks},
+        "median rec. %": _pct(median),
+        "CI %": _interval(ci),
+        "bits/elem": _round(bpe, 3),
+        "KL": _round(kl, 4),
+        "weight err.": _round(weight, 4),
+        "KV cache": kv or "",
         "size MB": None if not isinstance(size, (int, float)) else round(size / 1e6, 3),
     }
+
+
+def _measured(m: RecipeMetrics | None, tasks: list[str]) -> dict:
+    """A recipe's columns; every value None without metrics (a failed recipe)."""
+    if m is None:
+        return _columns_of(tasks, {}, None, None, None, None, None, None, None)
+    return _columns_of(tasks, {t: s.recovery for t, s in m.tasks.items()}, m.median_recovery, m.median_recovery_ci,
+                       m.effective_bpe, m.kl_divergence, m.weight_error.median, m.kv_cache, m.size_bytes)
+
+
+def _error(m: RecipeResult | None, row: RecipeRow | None) -> str:
+    own = "no metrics" if m is None else m.error if isinstance(m, RecipeFailed) else None
+    return own or (row.error if row is not None else None) or "failed (no error recorded)"
 
 
 def recipe_rows(layout: Layout, recipes: list[str]) -> list[dict]:
@@ -62,31 +81,28 @@ def recipe_rows(layout: Layout, recipes: list[str]) -> list[dict]:
     Every row has the same columns; a value that is not there is None. A failed recipe's error is
     under `error`, which the tables leave out and list below them.
     """
-    baseline = read_json(layout.baseline_metrics)
-    tasks = list(baseline.get("tasks") or {})
-    selection = read_json(layout.selection_metrics) if layout.selection_metrics.is_file() else {}
-    selected = selection.get("selected")
-    table = _selection_rows(layout)
-    bf16 = {"tasks": {t: {"recovery": 1.0} for t in tasks}, "median_recovery": 1.0, "kl_divergence": 0.0,
-            **{k: baseline.get(k) for k in ("effective_bpe", "size_bytes")}, "kv_cache": "bf16"}
-    rows = [{"choice": "", "name": "bf16", "status": "ok", **_measured("bf16", bf16, tasks)}]
+    baseline = read_result(layout.baseline_metrics, BaselineMetrics)
+    tasks = list(baseline.tasks)
+    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
+    selected = selection.selected if selection is not None else None
+    table = {r.name: r for r in selection.table} if selection is not None else {}
+    bf16 = _columns_of(tasks, dict.fromkeys(tasks, 1.0), 1.0, None, baseline.effective_bpe, 0.0, None, "bf16",
+                       baseline.size_bytes)
+    rows = [{"choice": "", "name": "bf16", "status": "ok", **bf16}]
     for name in recipes:
-        path = layout.ptq_metrics(name)
-        m = read_json(path) if path.is_file() else {"status": "failed", "error": "no metrics"}
-        sel = table.get(name, {})
-        alias_of = sel.get("alias_of") if sel.get("status") == "alias" else None
-        if alias_of and m.get("status") != "ok":
-            target = layout.ptq_metrics(alias_of)
-            m = {**(read_json(target) if target.is_file() else {}), "status": "alias"}
-        status = "alias" if alias_of else ("ok" if m.get("status") == "ok" else "failed")
+        m = read_result(layout.ptq_metrics(name), RecipeResult, missing_ok=True)
+        sel = table.get(name)
+        alias_of = sel.alias_of if sel is not None and sel.status == "alias" else None
+        if alias_of and (m is None or m.status != "ok"):  # the figures of the recipe it is the same as
+            m = read_result(layout.ptq_metrics(alias_of), RecipeResult, missing_ok=True)
+        status = "alias" if alias_of else ("ok" if m is not None and m.status == "ok" else "failed")
         choice = SELECTED_MARK if name == selected else f"alias of {alias_of}" if alias_of else ""
         row = {"choice": choice, "name": name, "status": status}
         if status == "failed":
-            row.update(_measured(name, {}, tasks))
-            error = m.get("error") or sel.get("error") or "failed (no error recorded)"
-            row["error"] = _one_line(error)[:MAX_ERROR_CHARS]
+            row.update(_measured(None, tasks))
+            row["error"] = _one_line(_error(m, sel))[:MAX_ERROR_CHARS]
         else:
-            row.update(_measured(name, m, tasks))
+            row.update(_measured(m if isinstance(m, RecipeMetrics) else None, tasks))
         rows.append(row)
     return rows
 
@@ -95,25 +111,22 @@ def weight_error_rows(layout: Layout, recipes: list[str]) -> list[dict]:
     """Per recipe that recorded it: median relative weight error over layers and its worst layers."""
     rows = []
     for name in recipes:
-        path = layout.ptq_metrics(name)
-        weight = read_json(path).get("weight_error") if path.is_file() else None
-        if not isinstance(weight, dict) or weight.get("median") is None:
+        m = read_result(layout.ptq_metrics(name), RecipeResult, missing_ok=True)
+        if not isinstance(m, RecipeMetrics) or m.weight_error.median is None:
             continue
-        worst = ", ".join(f"{w.get('layer')} ({w.get('error', 0):.4f})" for w in weight.get("worst") or [])
-        rows.append({"name": name, "median rel. error": round(weight["median"], 4),
-                     "layers": len(weight.get("layers") or {}), "worst layers": worst})
+        weight = m.weight_error
+        worst = ", ".join(f"{w.layer} ({w.error:.4f})" for w in weight.worst)
+        rows.append({"name": name, "median rel. error": round(weight.median, 4),
+                     "layers": len(weight.layers), "worst layers": worst})
     return rows
 
 
-def read_summary(layout: Layout, recipes: list[str]) -> dict:
+def read_summary(layout: Layout, recipes: list[str]) -> RunSummary:
     """The report's input from the files alone: selection, recipe rows, weight error, QAD, export."""
-    summary: dict[str, Any] = {"selection": read_json(layout.selection_metrics),
-                               "recipes": recipe_rows(layout, recipes),
-                               "weight_error": weight_error_rows(layout, recipes)}
-    for key, path in (("qad", layout.qad_metrics), ("export", layout.export_metrics)):
-        if path.is_file():
-            summary[key] = read_json(path)
-    return summary
+    return RunSummary(selection=read_result(layout.selection_metrics, SelectionResult),
+                      recipes=recipe_rows(layout, recipes), weight_error=weight_error_rows(layout, recipes),
+                      qad=read_result(layout.qad_metrics, QADMetrics, missing_ok=True),
+                      export=read_result(layout.export_metrics, ExportMetrics, missing_ok=True))
 
 
 # -- tables --------------------------------------------------------------------------------------
@@ -162,9 +175,9 @@ def text_table(rows: list[dict]) -> list[str]:
 # -- the report ------------------------------------------------------------------------------------
 
 
-def _qad_rows(summary: dict) -> list[dict]:
+def _qad_rows(q: QADMetrics) -> list[dict]:
     out = []
-    for r in summary["qad"].get("table") or []:
+    for r in q.table:
         row = {"name": r.get("name")}
         row.update({f"{k[:-len('_recovery')]} rec. %": _pct(v) for k, v in r.items()
                     if k.endswith("_recovery") and k != "median_recovery"})
@@ -179,43 +192,45 @@ def _failures(rows: list[dict]) -> list[str]:
     return ["Failed recipes:", "", *failed, ""] if failed else []
 
 
-def _sections(summary: dict, table, heading) -> list[str]:
-    sel = summary["selection"]
-    band = sel.get("band") or []
-    band_text = f", band {_interval(band)} %" if len(band) == 2 else ""
-    out = [*heading("Recipes (PTQ)"), *table(summary["recipes"]), *_failures(summary["recipes"])]
-    if summary["recipes"]:
+def _summary(summary: RunSummary | Mapping[str, Any]) -> RunSummary:
+    """The run summary as a model: the flow's result and `qad-pipeline log-mlflow`'s are dicts."""
+    return summary if isinstance(summary, RunSummary) else RunSummary.model_validate(summary)
+
+
+def _sections(summary: RunSummary, table, heading) -> list[str]:
+    sel = summary.selection
+    out = [*heading("Recipes (PTQ)"), *table(summary.recipes), *_failures(summary.recipes)]
+    if summary.recipes:
         out += [(f"{SELECTED_MARK}: the chosen recipe; recovery: quantized vs BF16 score, "
                  "median over tasks (CI: its interval)."), ""]
     out += [*heading("Selection"),
-            (f"Selected: {sel.get('selected') or 'none'} ({sel.get('policy')} policy{band_text}). "
-             f"{_one_line(sel.get('reason') or '')}"), ""]
-    if sel.get("runner_up"):
-        out += [f"Runner-up: {sel['runner_up']}.", ""]
-    if sel.get("could_compress_further"):
+            (f"Selected: {sel.selected or 'none'} ({sel.policy} policy, band {_interval(sel.band)} %). "
+             f"{_one_line(sel.reason)}"), ""]
+    if sel.runner_up:
+        out += [f"Runner-up: {sel.runner_up}.", ""]
+    if sel.could_compress_further:
         out += ["Compression could go further: the selected recipe is above the band's upper end.", ""]
-    if summary.get("weight_error"):
-        out += [*heading("Weight error (relative, per quantized layer)"), *table(summary["weight_error"])]
-    if "qad" in summary:
-        q = summary["qad"]
-        verdict = "beats" if q.get("qad_beats_ptq") else "does NOT beat"
-        ci = _interval(q.get("median_recovery_ci"))
+    if summary.weight_error:
+        out += [*heading("Weight error (relative, per quantized layer)"), *table(summary.weight_error)]
+    if summary.qad is not None:
+        q = summary.qad
+        verdict = "beats" if q.qad_beats_ptq else "does NOT beat"
         out += [*heading("QAD"),
-                (f"QAD ({q['steps']} steps, KD loss {q['first_loss']:.5f} -> {q['final_loss']:.5f}): "
-                 f"median recovery {100 * q['median_recovery']:.2f} %" + (f" (CI {ci} %)" if ci else "")
-                 + f", {verdict} PTQ's {100 * q['ptq_median_recovery']:.2f} %."), "",
-                *table(_qad_rows(summary))]
-    if "export" in summary:
-        e = summary["export"]
-        checks = ", ".join(f"{n} {'ok' if c['passed'] else 'FAILED'}" for n, c in e["checks"].items())
-        serving = e.get("serving") or {}
-        out += [*heading("Export"), f"- path: {e['path']}",
-                (f"- {e['size_bytes'] / 1e6:.2f} MB vs {e['bf16_size_bytes'] / 1e6:.2f} MB in BF16 "
-                 f"({e['size_ratio']:.2f}x smaller), {e['effective_bpe']:.3f} bits per element; checks: {checks}"),
-                *([f"- {e['serving_check']['summary']}"] if e.get("serving_check") else []),
-                *(f"- {label}: {serving[key]}" for key, label in
-                  (("blackwell", "Blackwell"), ("hopper", "Hopper"), ("vllm", "Serve with vLLM"),
-                   ("sglang", "Serve with SGLang"), ("tensorrt_llm", "Serve with TensorRT-LLM")) if key in serving),
+                (f"QAD ({q.steps} steps, KD loss {q.first_loss:.5f} -> {q.final_loss:.5f}): "
+                 f"median recovery {100 * q.median_recovery:.2f} % (CI {_interval(q.median_recovery_ci)} %)"
+                 f", {verdict} PTQ's {100 * q.ptq_median_recovery:.2f} %."), "",
+                *table(_qad_rows(q))]
+    if summary.export is not None:
+        e = summary.export
+        checks = ", ".join(f"{n} {'ok' if c['passed'] else 'FAILED'}" for n, c in e.checks.items())
+        serving = e.serving
+        out += [*heading("Export"), f"- path: {e.path}",
+                (f"- {e.size_bytes / 1e6:.2f} MB vs {e.bf16_size_bytes / 1e6:.2f} MB in BF16 "
+                 f"({e.size_ratio:.2f}x smaller), {e.effective_bpe:.3f} bits per element; checks: {checks}"),
+                f"- {e.serving_check.summary}",
+                *(f"- {label}: {value}" for label, value in
+                  (("Blackwell", serving.blackwell), ("Hopper", serving.hopper), ("Serve with vLLM", serving.vllm),
+                   ("Serve with SGLang", serving.sglang), ("Serve with TensorRT-LLM", serving.tensorrt_llm))),
                 ""]
     return out
 
@@ -229,35 +244,37 @@ def _join(lines: list[str]) -> str:
     return "\n".join(out).strip()
 
 
-def report_markdown(summary: dict) -> str:
-    return _join(_sections(summary, markdown_table, lambda title: ["", f"## {title}", ""])) + "\n"
+def report_markdown(summary: RunSummary | Mapping[str, Any]) -> str:
+    return _join(_sections(_summary(summary), markdown_table, lambda title: ["", f"## {title}", ""])) + "\n"
 
 
-def report_text(summary: dict) -> str:
-    return _join(_sections(summary, text_table, lambda title: ["", f"{title}:"]))
+def report_text(summary: RunSummary | Mapping[str, Any]) -> str:
+    return _join(_sections(_summary(summary), text_table, lambda title: ["", f"{title}:"]))
 
 
-def run_description(summary: dict, *, reason_file: str | None = None, max_chars: int = 8000) -> str:
+def run_description(summary: RunSummary | Mapping[str, Any], *, reason_file: str | None = None,
+                    max_chars: int = 8000) -> str:
     """The MLflow parent run's description (Markdown): the decision first, then the recipe table
     (left out, pointing at report.md, when the whole would be longer than `max_chars`)."""
-    sel = summary["selection"]
-    by_name = {r["name"]: r for r in summary["recipes"]}
-    chosen = by_name.get(sel.get("selected") or "")
+    summary = _summary(summary)
+    sel = summary.selection
+    by_name = {r["name"]: r for r in summary.recipes}
+    chosen = by_name.get(sel.selected or "")
     rows = []
     if chosen is not None:
         rows.append({"": "selected PTQ", "recipe": chosen["name"], "median rec. %": chosen.get("median rec. %"),
                      "CI %": chosen.get("CI %"), "bits/elem": chosen.get("bits/elem"), "KL": chosen.get("KL")})
-    if "qad" in summary:
-        q, e = summary["qad"], summary.get("export") or {}
-        rows.append({"": "QAD (exported)" if e.get("passed") else "QAD", "recipe": q.get("recipe"),
-                     "median rec. %": _pct(q.get("median_recovery")), "CI %": _interval(q.get("median_recovery_ci")),
-                     "bits/elem": _round(e.get("effective_bpe", chosen and chosen.get("bits/elem")), 3),
-                     "KL": _round(q.get("kl_divergence"), 4)})
-    reason = _one_line(sel.get("reason") or "")
+    if summary.qad is not None:
+        q, e = summary.qad, summary.export
+        bits = e.effective_bpe if e is not None else chosen and chosen.get("bits/elem")
+        rows.append({"": "QAD (exported)" if e is not None and e.passed else "QAD", "recipe": q.recipe,
+                     "median rec. %": _pct(q.median_recovery), "CI %": _interval(q.median_recovery_ci),
+                     "bits/elem": _round(bits, 3), "KL": _round(q.kl_divergence, 4)})
+    reason = _one_line(sel.reason)
     short = reason if len(reason) <= 400 else reason[:400].rsplit(" ", 1)[0] + " …"
-    out = [f"**Selected:** {sel.get('selected') or 'none'} ({sel.get('policy')} policy)", "", *markdown_table(rows),
+    out = [f"**Selected:** {sel.selected or 'none'} ({sel.policy} policy)", "", *markdown_table(rows),
            f"**Why:** {short}" + (f" (full text: `{reason_file}`)" if reason_file and short != reason else ""), ""]
-    if sel.get("runner_up"):
-        out += [f"**Runner-up:** {sel['runner_up']}", ""]
-    full = _join([*out, "**Recipes**", "", *markdown_table(summary["recipes"]), *_failures(summary["recipes"])])
+    if sel.runner_up:
+        out += [f"**Runner-up:** {sel.runner_up}", ""]
+    full = _join([*out, "**Recipes**", "", *markdown_table(summary.recipes), *_failures(summary.recipes)])
     return (full if len(full) < max_chars else _join([*out, "The recipe table is in `report.md`."])[:max_chars]) + "\n"

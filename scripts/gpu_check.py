@@ -266,9 +266,9 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     """Every stage on one base model, into the out-root <work>/<tag>."""
     import torch
 
-    from qad_pipeline.artifacts import read_json
     from qad_pipeline.config import DEFAULT_PARAMS, load_params
     from qad_pipeline.layout import Layout
+    from qad_pipeline.results import ExportMetrics, read_result
 
     if model_path is None:  # the ~100M Llama, built from a config
         folder = work / "llama-100m"
@@ -377,8 +377,9 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
                    f"{m['effective_bpe']:.3f} bpe, reload KL {reload['kl_divergence']:.2e}")
 
     check.run(tag, "export", export, student is not None)
-    if layout.export_metrics.is_file() and not read_json(layout.export_metrics).get("passed"):
-        print(f"    export checks: {read_json(layout.export_metrics)['checks']}")
+    exported = read_result(layout.export_metrics, ExportMetrics, missing_ok=True)
+    if exported is not None and not exported.passed:
+        print(f"    export checks: {exported.checks}")
 
 
 def main() -> int:

@@ -26,9 +26,10 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from qad_pipeline.artifacts import fingerprint, staged_dir, write_json
+from qad_pipeline.artifacts import fingerprint, staged_dir
 from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, resolve
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import CalibrationManifest, CalibrationSet, HeldOutSet, dump_result, write_result
 
 CONTEXT_WORDS = 40
 
@@ -219,23 +220,23 @@ def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
         datasets.Dataset.from_dict({"input_ids": ppl.tolist()}).save_to_disk(str(tmp / "eval" / "ppl"))
         cloze_bytes = write_jsonl(tmp / "eval" / "heldout_cloze.jsonl", data.cloze)
         cont_bytes = write_jsonl(tmp / "eval" / "heldout_continuation.jsonl", data.cont)
-        manifest = {
-            "source": cal.source,
-            "documents": data.documents,
-            "calibration_documents": data.calib_idx,
-            "eval_documents": data.eval_idx,
-            "calibration": {"samples": int(len(calib)), "seq_len": cal.seq_len,
-                            "fingerprint": fingerprint([calib.tobytes()])},
-            "eval": {
-                "ppl_samples": int(len(ppl)), "seq_len": ev.seq_len,
-                "heldout_cloze": len(data.cloze), "heldout_continuation": len(data.cont),
-                "fingerprint": fingerprint([ppl.tobytes(), cloze_bytes, cont_bytes]),
-            },
-            "tokenizer": params.base_model.path,
-            "seed": cal.seed,
-        }
-        write_json(tmp / "manifest.json", manifest)
-    return manifest
+        manifest = CalibrationManifest(
+            source=cal.source,
+            documents=data.documents,
+            calibration_documents=data.calib_idx,
+            eval_documents=data.eval_idx,
+            calibration=CalibrationSet(samples=len(calib), seq_len=cal.seq_len,
+                                       fingerprint=fingerprint([calib.tobytes()])),
+            eval=HeldOutSet(
+                ppl_samples=len(ppl), seq_len=ev.seq_len,
+                heldout_cloze=len(data.cloze), heldout_continuation=len(data.cont),
+                fingerprint=fingerprint([ppl.tobytes(), cloze_bytes, cont_bytes]),
+            ),
+            tokenizer=params.base_model.path,
+            seed=cal.seed,
+        )
+        write_result(tmp / "manifest.json", manifest)
+    return dump_result(manifest)
 
 
 def load_calibration(data_dir: Path) -> np.ndarray:

@@ -179,6 +179,7 @@ def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_d
     """Stage core: score the BF16 base model; write metrics/baseline.json and the BF16 reference."""
     from qad_pipeline.artifacts import staged_dir
     from qad_pipeline.modeling import checkpoint_identity, load_model, load_tokenizer
+    from qad_pipeline.results import BaselineMetrics, dump_result, write_result
     from qad_pipeline.sizes import size_report
 
     model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
@@ -186,15 +187,10 @@ def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_d
         scores = evaluate_model(model, tokenizer, params.eval, data_dir, write_reference=tmp)
     write_json(Path(reference_dir).parent / "items.json", scores.pop("items"))
     sizes = size_report(model)
-    metrics = {
-        "model": checkpoint_identity(params.base_model),
-        **scores,
-        "effective_bpe": sizes["effective_bpe"],
-        "size_bytes": sizes["size_bytes"],
-        "status": "ok",
-    }
-    write_json(metrics_path, metrics)
-    return metrics
+    metrics = BaselineMetrics(model=checkpoint_identity(params.base_model), **scores,
+                              effective_bpe=sizes["effective_bpe"], size_bytes=sizes["size_bytes"], status="ok")
+    write_result(metrics_path, metrics)
+    return dump_result(metrics)
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> None:

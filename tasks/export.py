@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, StageError
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import ExportMetrics, ServingCheck, ServingNotes, dump_result, write_result
 
 MANIFEST = "export_manifest.json"
 BPE_TOLERANCE = 0.01  # relative
@@ -258,19 +259,19 @@ def repair_layer_names(folder: Path) -> list[str]:
     return sorted(set(repaired))
 
 
-def serving_notes(quant_config: dict, folder: Path, check: dict | None) -> dict:
+def serving_notes(quant_config: dict, folder: Path, check: dict | None) -> ServingNotes:
     """What each GPU generation and each engine needs; the serve commands carry what vLLM detected."""
     from qad_pipeline.serving import serve_commands
 
     q = quant_config.get("quantization", {})
-    return {
-        "quant_algo": q.get("quant_algo"),
-        "kv_cache_quant_algo": q.get("kv_cache_quant_algo"),
-        "blackwell": "native NVFP4 W4A4 on FP4 tensor cores (SM100+): weights and activations in NVFP4",
-        "hopper": "no FP4 tensor cores (SM90): the server runs the NVFP4 weights as W4A16 "
-                  "(dequantized to BF16 in the GEMM), activations stay BF16",
+    return ServingNotes(
+        quant_algo=q.get("quant_algo"),
+        kv_cache_quant_algo=q.get("kv_cache_quant_algo"),
+        blackwell="native NVFP4 W4A4 on FP4 tensor cores (SM100+): weights and activations in NVFP4",
+        hopper="no FP4 tensor cores (SM90): the server runs the NVFP4 weights as W4A16 "
+               "(dequantized to BF16 in the GEMM), activations stay BF16",
         **serve_commands(folder, check),
-    }
+    )
 
 
 def check_serving(params: Params, folder: Path) -> dict | None:
@@ -320,7 +321,6 @@ def run_export(params: Params, layout: Layout) -> dict:
     prompts = held_out_prompts(windows)
     served = served_logits(student, prompts)
 
-    metrics: dict = {}
     with staged_dir(layout.export) as tmp:
         export_hf_checkpoint(student, export_dir=tmp)
         repaired = repair_layer_names(tmp)
@@ -338,28 +338,29 @@ def run_export(params: Params, layout: Layout) -> dict:
             checks["serving"] = serving_check
         size_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
         serving = serving_notes(quant_config, layout.export, serving_check)
-        write_json(tmp / "serving.json", serving)
-        metrics = {
-            "path": str(layout.export),
-            "size_bytes": size_bytes,
-            "bf16_size_bytes": checks["size"]["bf16_size_bytes"],
-            "size_ratio": checks["size"]["bf16_size_bytes"] / size_bytes,
-            "effective_bpe": checks["size"]["effective_bpe"],
-            "layer_formats": checks["formats"]["layer_formats"],
-            "layers_by_format": checks["formats"]["layers_by_format"],
-            "repaired_layer_names": len(repaired),
-            "checks": checks,
-            "serving": serving,
-            "serving_check": ({"level": serving_check["level"], "summary": serving_check["summary"]} if serving_check
-                              else {"level": "skipped", "summary": "skipped by export.serving_check=skip"}),
-            "passed": all(c["passed"] for c in checks.values()),
-        }
-        write_json(layout.export_metrics, metrics)
-        if not metrics["passed"]:
+        write_result(tmp / "serving.json", serving)
+        metrics = ExportMetrics(
+            path=str(layout.export),
+            size_bytes=size_bytes,
+            bf16_size_bytes=checks["size"]["bf16_size_bytes"],
+            size_ratio=checks["size"]["bf16_size_bytes"] / size_bytes,
+            effective_bpe=checks["size"]["effective_bpe"],
+            layer_formats=checks["formats"]["layer_formats"],
+            layers_by_format=checks["formats"]["layers_by_format"],
+            repaired_layer_names=len(repaired),
+            checks=checks,
+            serving=serving,
+            serving_check=(ServingCheck(level=serving_check["level"], summary=serving_check["summary"])
+                           if serving_check else
+                           ServingCheck(level="skipped", summary="skipped by export.serving_check=skip")),
+            passed=all(c["passed"] for c in checks.values()),
+        )
+        write_result(layout.export_metrics, metrics)
+        if not metrics.passed:
             failed = [f"{name}: {c.get('problems') or c.get('summary') or c}" for name, c in checks.items() if not c["passed"]]
             raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
         write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir)})
-    return metrics
+    return dump_result(metrics)
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:

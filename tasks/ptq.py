@@ -33,6 +33,7 @@ from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, yaml_error
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
+from qad_pipeline.results import PTQAlias, PTQScores, dump_result, write_result
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration
 from qad_pipeline.tasks.evaluate import evaluate_model
@@ -229,11 +230,11 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     Reference(reference_dir)  # fail before loading anything when the baseline has not run
     canonical = recipe_aliases(params, upto=recipe).get(recipe)
     if canonical is not None:  # the same model as an earlier recipe: run once, report as its alias
-        result = {"recipe": recipe, "status": "alias", "alias_of": canonical, "started_at": started,
-                  "finished_at": time.time()}
+        alias = PTQAlias(recipe=recipe, status="alias", alias_of=canonical, started_at=started,
+                         finished_at=time.time())
         with staged_dir(out_dir) as tmp:
-            write_json(tmp / "scores.json", result)
-        return result
+            write_result(tmp / "scores.json", alias)
+        return dump_result(alias)
     model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
 
     samples = torch.from_numpy(load_calibration(data_dir))
@@ -247,29 +248,29 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir)
     items = scores.pop("items")
     eval_s = time.time() - t0
-    result = {
-        "recipe": recipe,
-        "status": "ok",
+    result = PTQScores(
+        recipe=recipe,
+        status="ok",
         **scores,
-        "effective_bpe": sizes["effective_bpe"],
-        "size_bytes": sizes["size_bytes"],
-        "bf16_size_bytes": sizes["bf16_size_bytes"],
-        "kv_cache": kv_cache_format(model),
-        "elements_by_format": sizes["elements_by_format"],
-        "layer_formats": sizes["layer_formats"],
-        "weight_error": weight_error,
-        "settings": recipe_settings(model, params.recipe_path(recipe)),
-        "timing_s": {"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
-        "started_at": started,
-        "finished_at": time.time(),
-        "peak_rss_mb": _peak_rss_mb(),
-        "peak_device_mb": _peak_device_mb(),
-    }
+        effective_bpe=sizes["effective_bpe"],
+        size_bytes=sizes["size_bytes"],
+        bf16_size_bytes=sizes["bf16_size_bytes"],
+        kv_cache=kv_cache_format(model),
+        elements_by_format=sizes["elements_by_format"],
+        layer_formats=sizes["layer_formats"],
+        weight_error=weight_error,
+        settings=recipe_settings(model, params.recipe_path(recipe)),
+        timing_s={"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
+        started_at=started,
+        finished_at=time.time(),
+        peak_rss_mb=_peak_rss_mb(),
+        peak_device_mb=_peak_device_mb(),
+    )
     with staged_dir(out_dir) as tmp:
         save_quantized(model, tokenizer, tmp / "checkpoint")
-        write_json(tmp / "scores.json", result)
+        write_result(tmp / "scores.json", result)
         write_json(tmp / "items.json", items)
-    return result
+    return dump_result(result)
 
 
 def _peak_device_mb() -> float | None:

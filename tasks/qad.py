@@ -62,12 +62,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
+from qad_pipeline.artifacts import fingerprint, staged_dir
 from qad_pipeline.config import ConfigError, Params, StageError, QADParams
 from qad_pipeline.distributed import (join_world, launch_processes, resume, save_checkpoint, spread,
                                       trained_student)
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
+from qad_pipeline.results import (CalibrationManifest, LossCurve, QADTraining, SelectionResult, read_result,
+                                  write_result)
 
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
@@ -107,7 +109,8 @@ def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
     cal = params.calibration
     if params.qad.source is None:
         docs = read_documents(cal)
-        docs = [docs[i] for i in read_json(Path(data_dir) / "manifest.json")["calibration_documents"]]
+        manifest = read_result(Path(data_dir) / "manifest.json", CalibrationManifest)
+        docs = [docs[i] for i in manifest.calibration_documents]
     else:
         docs = read_documents(cal.model_copy(update={"source": params.qad.source}))
     windows = token_windows(docs, tokenizer, params.qad.seq_len)
@@ -249,7 +252,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
 
         with staged_dir(out_dir) as tmp:
             save_quantized(final, tokenizer, tmp / "model")
-            write_json(tmp / "loss.json", {"losses": losses, **result})
+            write_result(tmp / "loss.json", QADTraining(losses=losses, **result))
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # done: the next run starts afresh
     world.barrier()
     if world.size > 1:
@@ -260,7 +263,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str | None:
     """The QAD stage: `qad-pipeline stage qad`; with qad.num_gpus > 1, torchrun runs this same
     command in that many processes."""
-    selected = read_json(layout.selection_metrics)["selected"]
+    selected = read_result(layout.selection_metrics, SelectionResult).selected
     if selected is None:
         raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
     if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
@@ -269,6 +272,6 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
     result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
     if int(os.environ.get("RANK", "0")) != 0:  # only the first of the torchrun processes reports
         return None
-    write_json(layout.qad_loss, read_json(layout.qad / "loss.json")["losses"])
+    write_result(layout.qad_loss, LossCurve(read_result(layout.qad / "loss.json", QADTraining).losses))
     return (f"qad: {result['steps']} steps, KD loss {result['first_loss']:.5f} -> {result['final_loss']:.5f}"
             + (f" ({result['world_size']} processes)" if result["world_size"] > 1 else ""))

@@ -20,35 +20,38 @@ When nothing qualifies `selected` is null and the reason says why; later stages 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qad_pipeline.artifacts import read_json, write_json
+from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import Params, SelectionParams
 from qad_pipeline.layout import Layout
 from qad_pipeline.recovery import score_recovery
+from qad_pipeline.results import (
+    BaselineMetrics,
+    PTQResult,
+    RecipeAlias,
+    RecipeFailed,
+    RecipeMetrics,
+    RecipeResult,
+    RecipeRow,
+    RecoveryPoint,
+    RecoveryTable,
+    SelectionResult,
+    dump_result,
+    read_result,
+    write_result,
+)
 from qad_pipeline.tasks.ptq import recipe_aliases
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 
 
 @dataclass(frozen=True)
-class RecipeRow:
-    name: str
-    status: str  # "ok", "failed" or "alias"
-    median_recovery: float | None = None
-    effective_bpe: float | None = None
-    kv_cache: str = "none"
-    error: str | None = None
-    median_recovery_ci: tuple[float, float] | None = None
-    alias_of: str | None = None
-    kl_divergence: float | None = None
-    weight_error_median: float | None = None
-    settings: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class Selection:
+    """`select_recipe`'s verdict; `run_selection` writes it as metrics/selection.json
+    (`results.SelectionResult`, whose table rows are `RecipeRow`s)."""
+
     selected: str | None
     policy: str
     band: tuple[float, float]
@@ -152,61 +155,59 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams) -> Selection:
                      runner_up.name if runner_up else None, further)
 
 
-def recipe_metrics(name: str, folder: Path, baseline: dict, baseline_items: dict | None) -> dict:
+def recipe_metrics(name: str, folder: Path, baseline: BaselineMetrics, baseline_items: dict | None) -> RecipeResult:
     """metrics/ptq/<name>.json: the PTQ stage's scores plus recovery (and its interval) versus BF16."""
     scores_path = folder / "scores.json"
     if not scores_path.is_file():
-        return {"recipe": name, "status": "failed", "error": f"no scores: {scores_path} (the PTQ run failed)"}
-    scores = read_json(scores_path)
-    if scores.get("status") == "alias":
-        return {"recipe": name, "status": "alias", "alias_of": scores["alias_of"]}
-    if scores.get("status") != "ok":
-        return {"recipe": name, "status": "failed", "error": scores.get("error")}
+        return RecipeFailed(recipe=name, status="failed", error=f"no scores: {scores_path} (the PTQ run failed)")
+    scores = read_result(scores_path, PTQResult)
+    if scores.status == "alias":
+        return RecipeAlias(recipe=name, status="alias", alias_of=scores.alias_of)
     items = read_json(folder / "items.json") if (folder / "items.json").is_file() else None
-    return score_recovery(scores, items, baseline, baseline_items)
+    return RecipeMetrics.model_validate(score_recovery(dump_result(scores), items, dump_result(baseline),
+                                                       baseline_items))
 
 
-def row(metrics: dict, earlier: dict[str, RecipeRow]) -> RecipeRow:
+def row(metrics: RecipeResult, earlier: dict[str, RecipeRow]) -> RecipeRow:
     """The table row of one recipe's metrics; an alias shows the figures of the recipe it repeats."""
-    if metrics["status"] == "alias":
-        canonical = earlier.get(metrics["alias_of"])
+    if metrics.status == "alias":
+        canonical = earlier.get(metrics.alias_of)
         figures = asdict(canonical) if canonical is not None else {}
-        figures.update(name=metrics["recipe"], status="alias", alias_of=metrics["alias_of"], error=None)
+        figures.update(name=metrics.recipe, status="alias", alias_of=metrics.alias_of, error=None)
         return RecipeRow(**figures)
-    if metrics["status"] != "ok":
-        return RecipeRow(metrics["recipe"], "failed", error=metrics.get("error"))
-    ci = metrics.get("median_recovery_ci")
+    if metrics.status == "failed":
+        return RecipeRow(metrics.recipe, "failed", error=metrics.error)
     return RecipeRow(
-        metrics["recipe"], "ok", metrics["median_recovery"], metrics["effective_bpe"], metrics["kv_cache"],
-        median_recovery_ci=tuple(ci) if ci else None, kl_divergence=metrics.get("kl_divergence"),
-        weight_error_median=(metrics.get("weight_error") or {}).get("median"),
-        settings={**metrics.get("settings", {}), "effective_bpe": metrics["effective_bpe"]},
+        metrics.recipe, "ok", metrics.median_recovery, metrics.effective_bpe, metrics.kv_cache,
+        median_recovery_ci=metrics.median_recovery_ci, kl_divergence=metrics.kl_divergence,
+        weight_error_median=metrics.weight_error.median,
+        settings={**dump_result(metrics.settings), "effective_bpe": metrics.effective_bpe},
     )
 
 
 def run_selection(params: Params, layout: Layout) -> Selection:
     """Stage core: recovery per recipe (metrics/ptq/*.json), then the choice (metrics/selection.json)."""
-    baseline = read_json(layout.baseline_metrics)
+    baseline = read_result(layout.baseline_metrics, BaselineMetrics)
     items = layout.items("baseline")
     baseline_items = read_json(items) if items.is_file() else None
     aliases = recipe_aliases(params)  # re-checked: a recipe file may have changed since its PTQ run
     rows: dict[str, RecipeRow] = {}
     for name in params.ptq.recipes:
         metrics = recipe_metrics(name, layout.ptq(name), baseline, baseline_items)
-        if metrics["status"] == "alias" and aliases.get(name) != metrics["alias_of"]:
-            metrics = {"recipe": name, "status": "failed",
-                       "error": f"recorded as the same as {metrics['alias_of']}, which it no longer is; "
-                                f"re-run its PTQ (dvc repro -f ptq@{name})"}
-        write_json(layout.ptq_metrics(name), metrics)
+        if metrics.status == "alias" and aliases.get(name) != metrics.alias_of:
+            metrics = RecipeFailed(recipe=name, status="failed",
+                                   error=f"recorded as the same as {metrics.alias_of}, which it no longer is; "
+                                         f"re-run its PTQ (dvc repro -f ptq@{name})")
+        write_result(layout.ptq_metrics(name), metrics)
         rows[name] = row(metrics, rows)
     selection = select_recipe(list(rows.values()), params.selection)
-    write_json(layout.recovery_table, [
-        {"recipe": r.name, "effective_bpe": r.effective_bpe, "median_recovery": r.median_recovery,
-         "ci_low": r.median_recovery_ci[0] if r.median_recovery_ci else None,
-         "ci_high": r.median_recovery_ci[1] if r.median_recovery_ci else None}
+    write_result(layout.recovery_table, RecoveryTable([
+        RecoveryPoint(recipe=r.name, effective_bpe=r.effective_bpe, median_recovery=r.median_recovery,
+                      ci_low=r.median_recovery_ci[0] if r.median_recovery_ci else None,
+                      ci_high=r.median_recovery_ci[1] if r.median_recovery_ci else None)
         for r in rows.values() if r.status == "ok"
-    ])
-    write_json(layout.selection_metrics, asdict(selection))
+    ]))
+    write_result(layout.selection_metrics, SelectionResult.model_validate(asdict(selection)))
     return selection
 
 

@@ -314,3 +314,36 @@ def test_what_counts_as_an_mlflow_server():
                     tracking.check_reachable(uri)
         finally:
             server.shutdown()
+
+
+FAKE_TOKEN = "hf_fake0123456789abcdef"
+
+
+def test_a_secret_in_a_parameter_is_refused_without_being_printed(demo_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    line = refused(tmp_path / "a", "--set", f"calibration.source={FAKE_TOKEN}")
+    assert "calibration.source holds the value of $HF_TOKEN" in line and FAKE_TOKEN not in line
+    line = refused(tmp_path / "b", "--set", "calibration.source=https://bob:hunter2-pw@example.com/data")
+    assert "credentials in a URL" in line and "hunter2" not in line
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    (recipes / "leaky.yaml").write_text((PROJECT_ROOT / "recipes" / f"{GOOD_RECIPE}.yaml").read_text()
+                                        + f"\n# {FAKE_TOKEN}\n")
+    line = refused(tmp_path / "c", "--set", f"ptq.recipe_dir={recipes}", "--set", "ptq.recipes=[leaky]")
+    assert "leaky.yaml holds the value of $HF_TOKEN" in line and FAKE_TOKEN not in line
+
+
+@pytest.mark.parametrize("name, secret", [
+    ("HF_TOKEN", True), ("AWS_SECRET_ACCESS_KEY", True), ("api_key", True), ("apiKey", True), ("db.password", True),
+    ("AWS_SESSION_TOKEN", True), ("tokenizer", False), ("token_count", False), ("tokens_per_step", False),
+    ("monkey", False), ("keyframes", False),
+])
+def test_secret_names(name, secret):
+    from qad_pipeline.redaction import is_secret_name
+
+    assert is_secret_name(name) is secret
+
+
+def test_debug_shows_the_traceback_of_a_refusal():
+    code, out = run_cli("--debug", "plan", "--set", "calibration.num_sampels=3")
+    assert code == 2 and "Traceback" in out and out.strip().splitlines()[-1].startswith("error: unknown key")

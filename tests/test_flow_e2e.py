@@ -4,13 +4,16 @@ Two real recipes plus one broken one run as parallel processes; the broken one f
 selection goes on among the survivors, and the metrics contract holds.
 """
 
+import json
 import math
 
 import pytest
 
 from qad_pipeline.artifacts import read_json
+from qad_pipeline.results import RunSummary, dump_result, read_result
 from tests.conftest import BROKEN_RECIPE as BROKEN
 from tests.conftest import GOOD_RECIPES as GOOD
+from tests.samples import result_files
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +40,22 @@ def test_metrics_contract(run):
         assert (layout.ptq(name) / "checkpoint" / "modelopt_state.pth").is_file()
     sel = read_json(layout.selection_metrics)
     assert {"selected", "policy", "band", "reason", "table"} <= set(sel)
+
+
+@pytest.mark.slow
+def test_every_result_file_matches_its_model(run):
+    """The stages' real files validate against qad_pipeline/results.py, and reading and writing
+    them back changes no byte; so does the flow's result."""
+    summary, layout, _, _ = run
+    missing = []
+    for path, kind in result_files(layout, GOOD + [BROKEN]):
+        if not path.is_file():
+            missing.append(path)
+            continue
+        result = read_result(path, kind)
+        assert json.dumps(dump_result(result), indent=2) + "\n" == path.read_text(), path
+    assert missing == [layout.ptq(BROKEN) / "scores.json"]  # its PTQ process died
+    assert dump_result(RunSummary.model_validate(summary)) == json.loads(json.dumps(summary))
 
 
 def test_broken_recipe_fails_alone(run):

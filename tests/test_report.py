@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from qad_pipeline.artifacts import write_json
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import SELECTED_MARK, read_summary, recipe_rows, report_markdown, run_description
+from qad_pipeline.results import RecipeFailed, RecipeRow, write_result
+from tests import samples
 
 TASKS = ("heldout_cloze", "perplexity")
 # name: (per-task recovery, median, interval, bits, kl); all close together, as on the demo
@@ -49,27 +50,25 @@ def tables(markdown: str) -> list[list[list[str]]]:
 @pytest.fixture
 def layout(tmp_path) -> Layout:
     layout = Layout(tmp_path)
-    write_json(layout.baseline_metrics, {"tasks": {t: {"value": 1.0} for t in TASKS}, "effective_bpe": 16.0,
-                                         "size_bytes": 6_000_000})
+    higher = {"heldout_cloze": True, "perplexity": False}
+    write_result(layout.baseline_metrics, samples.baseline(
+        {t: samples.score(1.0, higher_is_better=higher[t]) for t in TASKS}, effective_bpe=16.0, size_bytes=6_000_000))
     table = []
     for name, (per_task, median, ci, bpe, kl) in MEASURED.items():
-        write_json(layout.ptq_metrics(name), {
-            "recipe": name, "status": "ok", "median_recovery": median, "median_recovery_ci": list(ci),
-            "tasks": {t: {"value": r, "recovery": r, "recovery_ci": [r - 0.02, r + 0.01]} for t, r in zip(TASKS, per_task)},
-            "effective_bpe": bpe, "kl_divergence": kl, "size_bytes": 3_000_000, "kv_cache": name.rsplit("_", 1)[1],
-            "weight_error": {"median": 0.08, "layers": {"a": 0.08, "b": 0.09},
-                             "worst": [{"layer": "model.layers.3.mlp.up_proj", "error": 0.0912}]},
-        })
-        table.append({"name": name, "status": "ok", "median_recovery": median, "median_recovery_ci": list(ci),
-                      "effective_bpe": bpe, "alias_of": None})
-    table.append({"name": ALIAS, "status": "alias", "alias_of": "nvfp4_max-mamba_fp8-kv_fp8"})
-    write_json(layout.ptq_metrics(BROKEN), {"recipe": BROKEN, "status": "failed", "error": ERROR})
-    table.append({"name": BROKEN, "status": "failed", "error": ERROR})
-    write_json(layout.selection_metrics, {
-        "selected": SELECTED, "runner_up": "nvfp4_mse-mamba_fp8-kv_fp8", "policy": "qad", "band": [0.95, 0.99],
-        "reason": "The most compressed recipe at or above the band's floor. " * 10, "could_compress_further": True,
-        "table": table,
-    })
+        write_result(layout.ptq_metrics(name), samples.recipe_metrics(
+            name, {t: samples.score(r, higher_is_better=higher[t], recovery=r, recovery_ci=(r - 0.02, r + 0.01))
+                   for t, r in zip(TASKS, per_task)},
+            median, median_recovery_ci=ci, effective_bpe=bpe, kl_divergence=kl, size_bytes=3_000_000,
+            kv_cache=name.rsplit("_", 1)[1],
+            weight_error={"median": 0.08, "mean": 0.085, "layers": {"a": 0.08, "b": 0.09},
+                          "worst": [{"layer": "model.layers.3.mlp.up_proj", "error": 0.0912}]}))
+        table.append(RecipeRow(name, "ok", median, bpe, median_recovery_ci=ci))
+    table.append(RecipeRow(ALIAS, "alias", alias_of="nvfp4_max-mamba_fp8-kv_fp8"))
+    write_result(layout.ptq_metrics(BROKEN), RecipeFailed(recipe=BROKEN, status="failed", error=ERROR))
+    table.append(RecipeRow(BROKEN, "failed", error=ERROR))
+    write_result(layout.selection_metrics, samples.selection(
+        SELECTED, table, runner_up="nvfp4_mse-mamba_fp8-kv_fp8", band=(0.95, 0.99),
+        reason="The most compressed recipe at or above the band's floor. " * 10, could_compress_further=True))
     return layout
 
 

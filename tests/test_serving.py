@@ -1,7 +1,6 @@
 """The serving check: a real vLLM (its own pinned environment, `qad-pipeline setup-vllm`) loads the
 exports and agrees with the student they were exported from."""
 
-import json
 import shlex
 import subprocess
 import sys
@@ -14,11 +13,13 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalL
 from qad_pipeline import serving
 from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import write_result
 from qad_pipeline.tasks.calibration import build_calibration
 from qad_pipeline.tasks.evaluate import run_baseline
 from qad_pipeline.tasks.export import read_tensors, run_export
 from qad_pipeline.tasks.ptq import run_ptq
 from qad_pipeline.tasks.qad import run_qad
+from tests import samples
 from tests.conftest import TINY
 
 RECIPE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"  # the most aggressive: NVFP4 W4A4 MLP, NVFP4 KV cache
@@ -39,8 +40,7 @@ def export_tiny_llama(root, demo_model_path, tied: bool) -> tuple[dict, Layout, 
     build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
     run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
     ptq = run_ptq(params, RECIPE, layout.data, layout.reference, layout.ptq(RECIPE))
-    layout.metrics.mkdir(parents=True, exist_ok=True)
-    layout.selection_metrics.write_text(json.dumps({"selected": RECIPE}))
+    write_result(layout.selection_metrics, samples.selection(RECIPE, []))
     run_qad(params, layout.ptq(RECIPE) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
     return run_export(params, layout), layout, ptq
 

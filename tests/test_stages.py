@@ -66,7 +66,7 @@ def test_one_name_per_stage_everywhere():
 def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_one():
     import signal
 
-    from qad_pipeline.flows.stages import exit_reason, oom_kills
+    from qad_pipeline.processes import exit_reason, oom_kills
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     child.send_signal(signal.SIGTERM)

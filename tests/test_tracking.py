@@ -26,10 +26,21 @@ from qad_pipeline import tracking
 from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import (
+    BaselineMetrics,
+    ExportMetrics,
+    RecipeMetrics,
+    RecipeRow,
+    SelectionResult,
+    TaskScore,
+    read_result,
+    write_result,
+)
 from qad_pipeline.tasks.final_eval import comparison_table
 from qad_pipeline.tasks.selection import run_selection
 from qad_pipeline.tracking.children import ptq_child
 from qad_pipeline.tracking.stale import process_tags
+from tests import samples
 
 GOOD = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
 BROKEN = "broken-recipe"
@@ -51,9 +62,9 @@ def fp(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def task_scores(values: dict[str, float]) -> dict:
-    return {t: {"metric": TASKS[t][0], "value": v, "higher_is_better": TASKS[t][1], **(
-        {"all": {TASKS[t][0]: v}} if t != "perplexity" else {})} for t, v in values.items()}
+def task_scores(values: dict[str, float]) -> dict[str, TaskScore]:
+    return {t: samples.score(v, TASKS[t][0], TASKS[t][1], **({"all": {TASKS[t][0]: v}} if t != "perplexity" else {}))
+            for t, v in values.items()}
 
 
 def touch(path: Path, t: float) -> None:
@@ -79,39 +90,28 @@ def settings_of(name: str, bpe: float) -> dict:
             "mamba_format": mamba.split("_", 1)[1], "kv_cache": kv.split("_", 1)[1], "effective_bpe": bpe}
 
 
-def fill_new_fields(layout: Layout, params) -> None:
-    """Fields the selection and final eval write from issue 15 on (intervals, settings, weight
-    error, runner-up), filled in where this checkout's stages do not write them yet."""
-    sel = read_json(layout.selection_metrics)
-    for row in sel["table"]:
-        if row["status"] == "ok":
-            m = read_json(layout.ptq_metrics(row["name"]))
-            median = m["median_recovery"]
-            m.setdefault("median_recovery_ci", [median - 0.012, median + 0.007])
-            m.setdefault("weight_error", {"median": 0.08, "layers": {"model.layers.0.mlp.up_proj": 0.08},
-                                          "worst": [{"layer": "model.layers.0.mlp.up_proj", "error": 0.08}]})
-            write_json(layout.ptq_metrics(row["name"]), m)
-            row.setdefault("median_recovery_ci", m["median_recovery_ci"])
-            row.setdefault("kl_divergence", m["kl_divergence"])
-            row.setdefault("settings", settings_of(row["name"], row["effective_bpe"]))
-        row.setdefault("alias_of", None)
-    others = [r["name"] for r in sel["table"] if r["status"] == "ok" and r["name"] != sel["selected"]]
-    sel.setdefault("runner_up", others[0] if others else None)
-    sel["reason"] += " " + "The runner-up lost on bits per element at a recovery within the interval. " * 8
-    write_json(layout.selection_metrics, sel)
+def lengthen_reason(layout: Layout) -> None:
+    """A selection reason longer than a tag holds (the run's description shortens it)."""
+    sel = read_result(layout.selection_metrics, SelectionResult)
+    sel.reason += " " + "The runner-up lost on bits per element at a recovery within the interval. " * 8
+    write_result(layout.selection_metrics, sel)
 
 
 def make_params(root: Path, model_dir: Path):
     """params.yaml with the test's model, recipes (two real ones and a broken one) and two secrets:
-    the HF token as the model revision, the AWS secret as the calibration dataset config."""
-    return load_params(PROJECT_PARAMS, {
+    the HF token as the model revision, the AWS secret as the calibration dataset config. The
+    loader refuses such values (config.check_no_secrets); they are put in after it, because the
+    MLflow logging must mask them all the same."""
+    params = load_params(PROJECT_PARAMS, {
         "base_model.path": str(model_dir),
-        "base_model.revision": HF_TOKEN,
-        "calibration.dataset_config": AWS_SECRET,
         "calibration.source": str(root / "text"),
         "ptq.recipes": [*GOOD, BROKEN],
         "qad.steps": 5,
         "selection.band": [0.5, 1.0],
+    })
+    return params.model_copy(update={
+        "base_model": params.base_model.model_copy(update={"revision": HF_TOKEN}),
+        "calibration": params.calibration.model_copy(update={"dataset_config": AWS_SECRET}),
     })
 
 
@@ -122,67 +122,59 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     (root / "text" / "doc.txt").write_text("Some text.")
     layout.logs.mkdir(parents=True, exist_ok=True)
 
-    manifest = {
-        "source": params.calibration.source, "documents": 10,
-        "calibration_documents": [0, 2, 3, 5, 7], "eval_documents": [1, 4, 6, 8, 9],
-        "calibration": {"samples": 4, "seq_len": 64, "fingerprint": fp(f"calib{t0}")},
-        "eval": {"ppl_samples": 4, "seq_len": 64, "heldout_cloze": 16, "heldout_continuation": 8,
-                 "fingerprint": fp(f"eval{t0}")},
-        "tokenizer": params.base_model.path, "seed": 0,
-    }
-    write_json(layout.data / "manifest.json", manifest)
+    manifest = samples.manifest(
+        source=params.calibration.source, documents=10,
+        calibration_documents=[0, 2, 3, 5, 7], eval_documents=[1, 4, 6, 8, 9],
+        calibration={"samples": 4, "seq_len": 64, "fingerprint": fp(f"calib{t0}")},
+        eval={"ppl_samples": 4, "seq_len": 64, "heldout_cloze": 16, "heldout_continuation": 8,
+              "fingerprint": fp(f"eval{t0}")},
+        tokenizer=params.base_model.path, seed=0,
+    )
+    write_result(layout.data / "manifest.json", manifest)
     touch(layout.data / "manifest.json", t0 + 10)
     (layout.logs / "calibration.log").write_text("calibration: done\n")
 
-    baseline = {"model": {"path": params.base_model.path, "revision": params.base_model.revision,
-                          "sha256": fp("model")},
-                **{"tasks": task_scores(BASE)}, "effective_bpe": 16.0, "size_bytes": 2_000_000, "status": "ok"}
-    write_json(layout.baseline_metrics, baseline)
+    baseline = samples.baseline(task_scores(BASE), effective_bpe=16.0, size_bytes=2_000_000, model={
+        "path": params.base_model.path, "revision": params.base_model.revision, "sha256": fp("model")})
+    write_result(layout.baseline_metrics, baseline)
     touch(layout.baseline_metrics, t0 + 60)
     # A stage log that printed the environment: the secrets must not survive into MLflow.
     (layout.logs / "baseline.log").write_text(f"env: HF_TOKEN={HF_TOKEN} AWS_SECRET_ACCESS_KEY={AWS_SECRET}\n")
 
     for i, (name, (scores, bpe, size, kv, kl)) in enumerate(RECIPES.items()):
         started = t0 + 20 + i
-        write_json(layout.ptq(name) / "scores.json", {
-            "recipe": name, "status": "ok", "tasks": task_scores(scores), "kl_divergence": kl,
-            "effective_bpe": bpe, "size_bytes": size, "bf16_size_bytes": 2_000_000, "kv_cache": kv,
-            "elements_by_format": {"nvfp4": 900_000, "bf16": 100_000},
-            "layer_formats": {"model.layers.0.mlp.up_proj": "nvfp4", "lm_head": "nvfp4"},
-            "timing_s": {"quantize": 3.5, "eval": 20.0, "total": 30.0},
-            "started_at": started, "finished_at": started + 30.0, "peak_rss_mb": 900.0,
-            "settings": {k: v for k, v in settings_of(name, bpe).items() if k != "effective_bpe"},
-        })
+        write_result(layout.ptq(name) / "scores.json", samples.ptq_scores(
+            name, task_scores(scores), kl_divergence=kl, effective_bpe=bpe, size_bytes=size, kv_cache=kv,
+            layer_formats={"model.layers.0.mlp.up_proj": "nvfp4", "lm_head": "nvfp4"},
+            started_at=started, finished_at=started + 30.0,
+            settings={k: v for k, v in settings_of(name, bpe).items() if k != "effective_bpe"},
+        ))
     (layout.logs / f"ptq-{BROKEN}.log").write_text("Traceback ...\nValueError: no_such_algorithm\n")
 
     run_selection(params, layout)  # the real stage: metrics/ptq/*.json and metrics/selection.json
-    fill_new_fields(layout, params)
+    lengthen_reason(layout)
     write_usage(layout, t0)
     for name in params.ptq.recipes:
         touch(layout.ptq_metrics(name), t0 + 100)
     touch(layout.selection_metrics, t0 + 100)
-    selection = read_json(layout.selection_metrics)
-    recipe = selection["selected"]
+    recipe = read_result(layout.selection_metrics, SelectionResult).selected
 
-    losses = [{"step": s, "loss": 0.5 / s, "lr": 1e-4 * (1 - s / 10)} for s in range(1, params.qad.steps + 1)]
-    write_json(layout.qad / "loss.json", {
-        "losses": losses, "steps": params.qad.steps, "resumed_from": 0, "final_loss": losses[-1]["loss"],
-        "first_loss": losses[0]["loss"], "steps_per_second": 0.5, "tokens_per_step": 2048, "seconds": 10.0,
-    })
+    training = samples.qad_training(params.qad.steps)
+    write_result(layout.qad / "loss.json", training)
     touch(layout.qad / "loss.json", t0 + 200)
 
-    ptq = read_json(layout.ptq_metrics(recipe))
+    ptq = read_result(layout.ptq_metrics(recipe), RecipeMetrics)
     qad_values = {t: (v + qad_gain if TASKS[t][1] else v - qad_gain) for t, v in RECIPES[recipe][0].items()}
-    qad = {"recipe": recipe, "tasks": task_scores(qad_values), "kl_divergence": 0.005}
     per_task = {t: (qad_values[t] / BASE[t] if TASKS[t][1] else BASE[t] / qad_values[t]) for t in BASE}
-    for t, r in per_task.items():
-        qad["tasks"][t]["recovery"] = r
+    tasks = {t: s.model_copy(update={"recovery": per_task[t]}) for t, s in task_scores(qad_values).items()}
     qad_median = sorted(per_task.values())[1]
-    qad.update({"median_recovery": qad_median, "median_recovery_ci": [qad_median - 0.01, qad_median + 0.005], "ptq_median_recovery": ptq["median_recovery"],
-                "qad_beats_ptq": qad_median > ptq["median_recovery"], "steps": params.qad.steps,
-                "final_loss": losses[-1]["loss"], "first_loss": losses[0]["loss"], "steps_per_second": 0.5})
-    qad["table"] = comparison_table(read_json(layout.baseline_metrics), ptq, qad, recipe)
-    write_json(layout.qad_metrics, qad)
+    qad = samples.qad_metrics(recipe, tasks, qad_median, ptq_median_recovery=ptq.median_recovery,
+                              ptq_median_recovery_ci=ptq.median_recovery_ci,
+                              qad_beats_ptq=qad_median > ptq.median_recovery, steps=params.qad.steps,
+                              final_loss=training.final_loss, first_loss=training.first_loss,
+                              steps_per_second=training.steps_per_second)
+    qad.table = comparison_table(read_result(layout.baseline_metrics, BaselineMetrics), ptq, qad, recipe)
+    write_result(layout.qad_metrics, qad)
     touch(layout.qad_metrics, t0 + 250)
 
     if layout.export.exists():
@@ -191,40 +183,7 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     write_json(layout.export / "config.json", {"architectures": ["LlamaForCausalLM"], "t0": t0})
     write_json(layout.export / "hf_quant_config.json", {"quantization": {"quant_algo": "NVFP4"}})
     (layout.export / "model.safetensors").write_bytes(b"\0" * 64)
-    # metrics/export.json as tasks/export.py's run_export writes it (the same keys, made-up values)
-    layer_formats = {**{f"layers.{i}.mlp.up_proj": "nvfp4" for i in range(8)},
-                     "embed_tokens": "bf16", "lm_head": "bf16"}
-    layers_by_format = {"nvfp4": 8, "bf16": 2}
-    vllm = f"vllm serve {layout.export} --quantization modelopt_fp4 --kv-cache-dtype fp8"
-    checks = {
-        "formats": {"passed": True, "problems": [], "layer_formats": layer_formats,
-                    "layers_by_format": layers_by_format},
-        "size": {"passed": True, "expected_bpe": 4.55, "relative_difference": 0.001, "tolerance": 0.01,
-                 "effective_bpe": 4.5546, "tensor_bytes": 640_000, "elements": 1_000_000,
-                 "bf16_size_bytes": 2_000_000},
-        "reload": {"passed": True, "kl_divergence": 2e-4, "tolerance": 1e-3, "top1_agreement": 0.98,
-                   "max_abs_logit_diff": 0.01,
-                   "compared": "student with weight quantizers only vs dequantized export, bf16, mean KL per token"},
-        "serving": {"vllm_version": "0.32.0", "quantization": "modelopt_fp4", "kv_cache_dtype": "fp8",
-                    "architecture": "LlamaForCausalLM", "config_problems": [], "layers_checked": 10,
-                    "thresholds": {"kl_divergence_max": 0.05, "top1_agreement_min": 0.9, "decided_margin_nats": 1.0},
-                    "level": "full", "logprobs_per_position": 20, "served_kv_cache_dtype": "fp8",
-                    "kv_cache_fallback": None, "kl_divergence": 5e-5, "kl_max_position": 2e-3,
-                    "top1_agreement": 0.99, "decided_positions": 126, "positions": 252, "passed": True,
-                    "seconds": 40.0, "summary": "serving check passed: level full, KL 0.00005"},
-    }
-    write_json(layout.export_metrics, {
-        "path": str(layout.export), "size_bytes": 640_064, "bf16_size_bytes": 2_000_000,
-        "size_ratio": 2_000_000 / 640_064, "effective_bpe": 4.5546, "layer_formats": layer_formats,
-        "layers_by_format": layers_by_format, "repaired_layer_names": 0, "checks": checks,
-        "serving": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
-                    "blackwell": "native NVFP4 W4A4 on FP4 tensor cores (SM100+)",
-                    "hopper": "no FP4 tensor cores (SM90): NVFP4 weights run as W4A16",
-                    "vllm": vllm, "tensorrt_llm": f"trtllm-serve {layout.export}",
-                    "sglang": f"python -m sglang.launch_server --model-path {layout.export}", "checked": "vllm"},
-        "serving_check": {"level": "full", "summary": "serving check passed: level full, KL 0.00005"},
-        "passed": True,
-    })
+    write_result(layout.export_metrics, samples.export_metrics(layout.export))
     touch(layout.export_metrics, t0 + 300)
     return layout
 
@@ -512,10 +471,10 @@ def test_failed_export_is_a_failed_run_and_is_not_registered(logged, tmp_path):
     model_dir.mkdir()
     params = make_params(tmp_path, model_dir)
     layout = build_layout(tmp_path, params, time.time() - 100)
-    export = read_json(layout.export_metrics)
-    export["checks"]["size"]["passed"] = False
-    export["passed"] = False
-    write_json(layout.export_metrics, export)
+    export = read_result(layout.export_metrics, ExportMetrics)
+    export.checks["size"]["passed"] = False
+    export.passed = False
+    write_result(layout.export_metrics, export)
     run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=None, uri=uri)
     assert client.get_run(run_id).info.status == "FAILED"
     run = children(client, run_id)["export"]
@@ -621,7 +580,7 @@ def test_stage_runs_span_their_process_times(logged):
 def test_stage_span_falls_back_to_the_output_time_when_the_usage_file_is_of_another_run(tmp_path):
     layout = Layout(tmp_path)
     out = tmp_path / "metrics" / "selection.json"
-    write_json(out, {})
+    write_result(out, samples.selection(None, []))
     touch(out, 2_000.0)
     write_json(layout.logs / "selection.usage.json", {"started_at": 1_000.0, "finished_at": 1_001.0})
     assert tracking.stage_span(layout, "selection", out) == (2_000_000, 2_000_000)
@@ -730,11 +689,11 @@ def test_an_alias_recipe_run_has_the_metrics_of_the_recipe_it_equals_and_no_dura
     params = make_params(tmp_path, tmp_path)
     layout = Layout(tmp_path)
     ran, alias = GOOD[0], "nvfp4_max-mamba_w4a16-kv_fp8"
-    write_json(layout.ptq_metrics(ran), {"recipe": ran, "status": "ok", "median_recovery": 0.98,
-                                         "median_recovery_ci": [0.97, 0.99], "effective_bpe": 4.75,
-                                         "started_at": 1000.0, "finished_at": 1030.0})
-    write_json(layout.selection_metrics, {"table": []})
-    row = {"name": alias, "status": "alias", "alias_of": ran, "settings": settings_of(alias, 4.75)}
+    write_result(layout.ptq_metrics(ran), samples.recipe_metrics(
+        ran, task_scores(RECIPES[ran][0]), 0.98, median_recovery_ci=(0.97, 0.99), effective_bpe=4.75,
+        started_at=1000.0, finished_at=1030.0))
+    write_result(layout.selection_metrics, samples.selection(None, []))
+    row = RecipeRow(alias, "alias", alias_of=ran, settings=settings_of(alias, 4.75))
     child = ptq_child(layout, params, alias, row)
     assert child.status == "FINISHED" and child.tags["alias_of"] == ran
     assert child.metrics["median_recovery"] == 0.98 and child.metrics["median_recovery_ci_high"] == 0.99

@@ -27,7 +27,7 @@ so secrets (`HF_TOKEN`, `api_key`, URL credentials) never reach the tracking sto
 The default store is a SQLite file in the output root (`sqlite:///<root>/mlflow.db`, no server to
 start); `MLFLOW_TRACKING_URI` points elsewhere (an `http(s)://` server, `postgresql://...`).
 
-Modules, by job: `store` (where, whether, names), `redaction` (secrets), `children` and `metrics`
+Modules, by job: `store` (where, whether, names), `qad_pipeline.redaction` (secrets), `children` and `metrics`
 (what each stage's run holds, read from its files), `datasets` (data as run inputs), `runs`
 (logging a pipeline run), `stale` (runs whose logger died), `registry` (model versions),
 `compare` (reading runs back).
@@ -46,7 +46,7 @@ from qad_pipeline.tracking.compare import (
     latest_pipeline_run,
     run_url,
 )
-from qad_pipeline.tracking.redaction import (
+from qad_pipeline.redaction import (
     REDACTED,
     flatten,
     is_secret_name,

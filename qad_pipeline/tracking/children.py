@@ -8,7 +8,7 @@ its result file and its log as artifacts, and ends FAILED with the tag `error` w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +16,21 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import (
+    BaselineMetrics,
+    CalibrationManifest,
+    ExportMetrics,
+    PTQResult,
+    PTQScores,
+    QADMetrics,
+    QADTraining,
+    RecipeFailed,
+    RecipeResult,
+    RecipeRow,
+    SelectionResult,
+    dump_result,
+    read_result,
+)
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import (
     ci_metrics,
@@ -24,7 +39,7 @@ from qad_pipeline.tracking.metrics import (
     pick,
     task_metrics,
 )
-from qad_pipeline.tracking.redaction import redact_text
+from qad_pipeline.redaction import redact_text
 from qad_pipeline.tracking.store import ERROR
 
 if TYPE_CHECKING:
@@ -112,94 +127,85 @@ def short_reason(reason: str) -> str:
 # -- the readers: one per stage, filling the run from the stage's result file --------------------
 
 
-def _calibration(child: ChildRun, m: dict, params: Params) -> None:
+def _calibration(child: ChildRun, m: CalibrationManifest, params: Params) -> None:
     child.metrics = {
-        **numeric_leaves({k: v for k, v in m.items() if k in ("documents", "seed")}),
-        **numeric_leaves(m.get("calibration") or {}, "calibration."),
-        **numeric_leaves(m.get("eval") or {}, "eval."),
-        "calibration.documents": float(len(m.get("calibration_documents") or [])),
-        "eval.documents": float(len(m.get("eval_documents") or [])),
+        **numeric_leaves({"documents": m.documents, "seed": m.seed}),
+        **numeric_leaves(dump_result(m.calibration), "calibration."),
+        **numeric_leaves(dump_result(m.eval), "eval."),
+        "calibration.documents": float(len(m.calibration_documents)),
+        "eval.documents": float(len(m.eval_documents)),
     }
     child.tags = {
-        "source": m.get("source"),
-        "calibration.fingerprint": (m.get("calibration") or {}).get("fingerprint"),
-        "eval.fingerprint": (m.get("eval") or {}).get("fingerprint"),
+        "source": m.source,
+        "calibration.fingerprint": m.calibration.fingerprint,
+        "eval.fingerprint": m.eval.fingerprint,
     }
     child.datasets = manifest_datasets(m, params)
 
 
-def _baseline(child: ChildRun, m: dict, params: Params) -> None:
-    child.status = "FINISHED" if m.get("status", "ok") == "ok" else "FAILED"
-    child.metrics = {**task_metrics(m.get("tasks") or {}), **pick(m, "effective_bpe", "size_bytes")}
-    child.tags = {f"base_model.{k}": v for k, v in (m.get("model") or {}).items()}
+def _baseline(child: ChildRun, m: BaselineMetrics, params: Params) -> None:
+    child.metrics = {**task_metrics(m.tasks), **pick(m, "effective_bpe", "size_bytes")}
+    child.tags = {f"base_model.{k}": v for k, v in dump_result(m.model).items()}
 
 
-def _selection(child: ChildRun, s: dict, params: Params) -> None:
-    table = s.get("table") or []
-    chosen = next((r for r in table if r.get("name") == s.get("selected")), None)
+def _selection(child: ChildRun, s: SelectionResult, params: Params) -> None:
+    chosen = next((r for r in s.table if r.name == s.selected), None)
     child.metrics = {
-        "recipes.ok": float(sum(r.get("status") == "ok" for r in table)),
-        "recipes.alias": float(sum(r.get("status") == "alias" for r in table)),
-        "recipes.failed": float(sum(r.get("status") not in ("ok", "alias") for r in table)),
+        "recipes.ok": float(sum(r.status == "ok" for r in s.table)),
+        "recipes.alias": float(sum(r.status == "alias" for r in s.table)),
+        "recipes.failed": float(sum(r.status not in ("ok", "alias") for r in s.table)),
         **({} if chosen is None else pick(chosen, "median_recovery", "effective_bpe", "kl_divergence")),
-        **({} if chosen is None else ci_metrics(chosen.get("median_recovery_ci"), "median_recovery")),
+        **({} if chosen is None else ci_metrics(chosen.median_recovery_ci, "median_recovery")),
         **pick(s, "could_compress_further"),
     }
-    reason = str(s.get("reason") or "")
-    child.tags = {"selected": s.get("selected") or "none", "runner_up": s.get("runner_up"), "policy": s.get("policy"),
-                  "band": s.get("band"), "reason": short_reason(reason)}
-    child.texts = {REASON_FILE: reason, **child.texts}
+    child.tags = {"selected": s.selected or "none", "runner_up": s.runner_up, "policy": s.policy,
+                  "band": list(s.band), "reason": short_reason(s.reason)}
+    child.texts = {REASON_FILE: s.reason, **child.texts}
 
 
-def _qad(child: ChildRun, q: dict, params: Params) -> None:
+def _qad(child: ChildRun, q: QADTraining, params: Params) -> None:
     if child.start_ms == child.end_ms:  # no usage file: loss.json says how long it trained
-        child.start_ms = int(child.end_ms - 1000 * (number(q.get("seconds")) or 0.0))
+        child.start_ms = int(child.end_ms - 1000 * q.seconds)
     start, end = child.start_ms, child.end_ms
-    losses = [p for p in q.get("losses") or [] if number(p.get("step")) is not None]
-    last = max((int(p["step"]) for p in losses), default=1) or 1
-    first = int(q.get("resumed_from") or 0)
-    for point in losses:
-        step = int(point["step"])
+    last = max((p.step for p in q.losses), default=1) or 1
+    first = q.resumed_from
+    for point in q.losses:
         # The file has no wall time per step: spread the steps this run trained over its duration.
-        frac = (step - first) / max(1, last - first) if step > first else 0.0
+        frac = (point.step - first) / max(1, last - first) if point.step > first else 0.0
         ms = int(start + frac * (end - start))
-        for key in ("loss", "lr"):
-            if number(point.get(key)) is not None:
-                child.steps.append((key, float(point[key]), ms, step))
+        child.steps += [("loss", point.loss, ms, point.step), ("lr", point.lr, ms, point.step)]
     child.metrics = pick(q, "steps", "resumed_from", "final_loss", "first_loss", "steps_per_second",
                           "tokens_per_step", "seconds")
 
 
-def _final_eval(child: ChildRun, m: dict, params: Params) -> None:
-    child.recipe = m.get("recipe")
-    child.metrics = {**task_metrics(m.get("tasks") or {}),
+def _final_eval(child: ChildRun, m: QADMetrics, params: Params) -> None:
+    child.recipe = m.recipe
+    child.metrics = {**task_metrics(m.tasks),
                      **pick(m, "median_recovery", "ptq_median_recovery", "kl_divergence", "qad_beats_ptq"),
-                     **ci_metrics(m.get("median_recovery_ci"), "median_recovery")}
-    child.tags = {"qad_beats_ptq": m.get("qad_beats_ptq")}
+                     **ci_metrics(m.median_recovery_ci, "median_recovery")}
+    child.tags = {"qad_beats_ptq": m.qad_beats_ptq}
 
 
-def _export(child: ChildRun, e: dict, params: Params) -> None:
-    passed = bool(e.get("passed"))
-    child.status = "FINISHED" if passed else "FAILED"
-    child.metrics = numeric_leaves({k: v for k, v in e.items() if k != "serving"})
-    checks = e.get("checks") or {}
-    child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in checks.items()}
-    child.tags.update({"path": e.get("path"), "vllm": (e.get("serving") or {}).get("vllm"),
-                       "serving_check": (e.get("serving_check") or {}).get("level"),
-                       "serving_check.summary": (e.get("serving_check") or {}).get("summary")})
-    if not passed:
-        failed = [f"{n}: {c.get('problems') or 'failed'}" for n, c in checks.items() if not c.get("passed")]
+def _export(child: ChildRun, e: ExportMetrics, params: Params) -> None:
+    child.status = "FINISHED" if e.passed else "FAILED"
+    child.metrics = numeric_leaves(e.model_dump(mode="json", exclude={"serving"}))
+    child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in e.checks.items()}
+    child.tags.update({"path": e.path, "vllm": e.serving.vllm, "serving_check": e.serving_check.level,
+                       "serving_check.summary": e.serving_check.summary})
+    if not e.passed:
+        failed = [f"{n}: {c.get('problems') or 'failed'}" for n, c in e.checks.items() if not c.get("passed")]
         child.tags[ERROR] = "export verification failed: " + "; ".join(failed)
 
 
-# stage -> (the result file its run is read from and holds as an artifact, the reader that fills the run)
-STAGE_READERS: dict[str, tuple[Callable[[Layout], Path], Callable[[ChildRun, dict, Params], None]]] = {
-    "calibration": (lambda layout: layout.data / "manifest.json", _calibration),
-    "baseline": (lambda layout: layout.baseline_metrics, _baseline),
-    "selection": (lambda layout: layout.selection_metrics, _selection),
-    "qad": (lambda layout: layout.qad / "loss.json", _qad),
-    "final_eval": (lambda layout: layout.qad_metrics, _final_eval),
-    "export": (lambda layout: layout.export_metrics, _export),
+# stage -> (the result file its run is read from and holds as an artifact, that file's model, the
+# reader that fills the run from it)
+STAGE_READERS: dict[str, tuple[Callable[[Layout], Path], Any, Callable[[ChildRun, Any, Params], None]]] = {
+    "calibration": (lambda layout: layout.data / "manifest.json", CalibrationManifest, _calibration),
+    "baseline": (lambda layout: layout.baseline_metrics, BaselineMetrics, _baseline),
+    "selection": (lambda layout: layout.selection_metrics, SelectionResult, _selection),
+    "qad": (lambda layout: layout.qad / "loss.json", QADTraining, _qad),
+    "final_eval": (lambda layout: layout.qad_metrics, QADMetrics, _final_eval),
+    "export": (lambda layout: layout.export_metrics, ExportMetrics, _export),
 }
 
 
@@ -209,19 +215,43 @@ def result_file(layout: Layout, stage: str) -> Path:
 
 
 def stage_child(layout: Layout, params: Params, stage: str) -> ChildRun | None:
-    """The run of a (non-PTQ) stage: its result file and log, filled in by the stage's reader."""
-    path, reader = result_file(layout, stage), STAGE_READERS[stage][1]
-    if not path.is_file():
+    """The run of a (non-PTQ) stage: its result file and log, filled in by the stage's reader.
+
+    None while the file is not there (the stage has not run, or failed: a half-finished run is
+    logged with the stages it has); a file that is there must match its model."""
+    path, kind, reader = result_file(layout, stage), *STAGE_READERS[stage][1:]
+    result = read_result(path, kind, missing_ok=True)
+    if result is None:
         return None
-    data = read_json(path)
-    child = ChildRun(stage, stage, *stage_span(layout, stage, path), dicts={path.name: data},
+    child = ChildRun(stage, stage, *stage_span(layout, stage, path), dicts={path.name: dump_result(result)},
                      texts=_stage_log(layout, stage))
-    reader(child, data, params)
+    reader(child, result, params)
     return child
 
 
-def ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, Any]) -> ChildRun | None:
-    """metrics/ptq/<recipe>.json (scores + recovery) or, before selection, the PTQ scores.json.
+def _ptq_result(layout: Layout, recipe: str) -> tuple[Path | None, Any]:
+    """metrics/ptq/<recipe>.json (scores + recovery) or, before selection, the PTQ scores.json;
+    (None, None) when neither is there (the recipe's PTQ has not run, or died)."""
+    for path, kind in ((layout.ptq_metrics(recipe), RecipeResult), (layout.ptq(recipe) / "scores.json", PTQResult)):
+        if path.is_file():
+            return path, read_result(path, kind)
+    return None, None
+
+
+def _figures(m: PTQScores) -> dict[str, float]:
+    """A recipe's measured figures as metrics (and selection's recovery, in a RecipeMetrics)."""
+    return {
+        **task_metrics(m.tasks),
+        **pick(m, "median_recovery", "effective_bpe", "size_bytes", "bf16_size_bytes", "kl_divergence",
+                "peak_rss_mb"),
+        **numeric_leaves({"weight_error.median": m.weight_error.median}),
+        **numeric_leaves(m.timing_s, "timing_s."),
+        **numeric_leaves(m.elements_by_format, "elements_by_format."),
+    }
+
+
+def ptq_child(layout: Layout, params: Params, recipe: str, row: RecipeRow | None) -> ChildRun | None:
+    """The run of one recipe, from `_ptq_result`.
 
     `row` is the recipe's row of the selection table: its `settings` (weight scale method, Mamba
     format, KV format, bits) become the run's params, so MLflow's compare view has a recipe axis
@@ -229,44 +259,39 @@ def ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, Any
     A recipe that is an alias of another (the same quantizer configuration on this model, not
     run) gets that one's metrics and the tag `alias_of`.
     """
-    alias_of = row.get("alias_of") if row.get("status") == "alias" else None
-    metrics_path, scores_path = layout.ptq_metrics(recipe), layout.ptq(recipe) / "scores.json"
-    path = metrics_path if metrics_path.is_file() else scores_path if scores_path.is_file() else None
-    m = read_json(path) if path is not None else {}
-    if alias_of and m.get("status") != "ok" and layout.ptq_metrics(alias_of).is_file():
-        m = {**read_json(layout.ptq_metrics(alias_of)), "status": "alias"}
+    alias_of = row.alias_of if row is not None and row.status == "alias" else None
+    path, m = _ptq_result(layout, recipe)
+    artifact = None if m is None else dump_result(m)
+    substituted = bool(alias_of and (m is None or m.status != "ok") and layout.ptq_metrics(alias_of).is_file())
+    if substituted:
+        m = read_result(layout.ptq_metrics(alias_of), RecipeResult)
+        artifact = {**dump_result(m), "status": "alias"}
         path = path or layout.ptq_metrics(alias_of)
     if path is None:
         return None
-    end = int(1000 * m["finished_at"]) if number(m.get("finished_at")) is not None else _mtime_ms(path)
-    start = int(1000 * m["started_at"]) if number(m.get("started_at")) is not None else end
+    span = pick(m, "started_at", "finished_at")  # a recipe that ran, or an alias PTQ found out
+    end = int(1000 * span["finished_at"]) if "finished_at" in span else _mtime_ms(path)
+    start = int(1000 * span["started_at"]) if "started_at" in span else end
     if alias_of:  # it did not run: a zero-length run at the time the selection found it out
         start = end = _mtime_ms(layout.selection_metrics) if layout.selection_metrics.is_file() else end
     name = f"ptq-{recipe}"
-    ok = m.get("status") in ("ok", "alias")
+    ok = substituted or m.status in ("ok", "alias")
     child = ChildRun(name, "ptq", start, end, "FINISHED" if ok else "FAILED", recipe=recipe)
-    weight = m.get("weight_error") if isinstance(m.get("weight_error"), Mapping) else {}
-    child.metrics = {
-        **task_metrics(m.get("tasks") or {}),
-        **pick(m, "median_recovery", "effective_bpe", "size_bytes", "bf16_size_bytes", "kl_divergence",
-                "peak_rss_mb"),
-        **ci_metrics(m.get("median_recovery_ci") or row.get("median_recovery_ci"), "median_recovery"),
-        **numeric_leaves({"weight_error.median": weight.get("median")}),
-        **numeric_leaves(m.get("timing_s") or {}, "timing_s."),
-        **numeric_leaves(m.get("elements_by_format") or {}, "elements_by_format."),
-    }
-    measured = {"kv_cache": m.get("kv_cache"),  # what PTQ measured, where selection recorded no settings
-                "effective_bpe": None if number(m.get("effective_bpe")) is None else round(m["effective_bpe"], 3)}
-    settings = {"recipe": recipe, **measured, **(row.get("settings") or {})}
+    ran = m if isinstance(m, PTQScores) else None  # a recipe that ran (RecipeMetrics: with its recovery)
+    ci = getattr(m, "median_recovery_ci", None) or (row.median_recovery_ci if row is not None else None)
+    child.metrics = {**(_figures(ran) if ran is not None else {}), **ci_metrics(ci, "median_recovery")}
+    # what PTQ measured, where selection recorded no settings
+    measured = {} if ran is None else {"kv_cache": ran.kv_cache, "effective_bpe": round(ran.effective_bpe, 3)}
+    settings = {"recipe": recipe, **measured, **(row.settings if row is not None else {})}
     child.params = {k: v for k, v in settings.items() if v is not None}
-    child.tags = {"status": row.get("status") or m.get("status"), "kv_cache": m.get("kv_cache"),
-                  "alias_of": alias_of}
-    if weight.get("worst"):
-        child.tags["weight_error.worst"] = ", ".join(
-            f"{w.get('layer')}: {w.get('error'):.4g}" for w in weight["worst"] if number(w.get("error")) is not None)
+    child.tags = {"status": (row.status if row is not None else None) or m.status,
+                  "kv_cache": measured.get("kv_cache"), "alias_of": alias_of}
+    if ran is not None and ran.weight_error.worst:
+        child.tags["weight_error.worst"] = ", ".join(f"{w.layer}: {w.error:.4g}" for w in ran.weight_error.worst)
     if not ok:
-        child.tags[ERROR] = m.get("error") or row.get("error") or "failed (no error recorded)"
-    child.dicts = {f"{recipe}.json": m}
+        own = m.error if isinstance(m, RecipeFailed) else None
+        child.tags[ERROR] = own or (row.error if row is not None else None) or "failed (no error recorded)"
+    child.dicts = {f"{recipe}.json": artifact}
     recipe_file = params.recipe_path(recipe)
     if recipe_file.is_file():
         child.texts[f"recipe/{recipe_file.name}"] = redact_text(recipe_file.read_text(errors="replace"))
@@ -276,9 +301,9 @@ def ptq_child(layout: Layout, params: Params, recipe: str, row: Mapping[str, Any
 
 def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     """One ChildRun per stage (and recipe) whose files exist, in pipeline order."""
-    table = read_json(layout.selection_metrics).get("table") or [] if layout.selection_metrics.is_file() else []
-    rows = {r.get("name"): r for r in table}
+    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
+    rows = {r.name: r for r in selection.table} if selection is not None else {}
     children = [stage_child(layout, params, "calibration"), stage_child(layout, params, "baseline")]
-    children += [ptq_child(layout, params, r, rows.get(r) or {}) for r in params.ptq.recipes]
+    children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
     children += [stage_child(layout, params, s) for s in ("selection", "qad", "final_eval", "export")]
     return [c for c in children if c is not None]

@@ -8,7 +8,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from qad_pipeline.config import ConfigError
-from qad_pipeline.tracking.redaction import redact_text
+from qad_pipeline.redaction import redact_text
 from qad_pipeline.tracking.store import (
     ERROR,
     EXPERIMENT_PREFIX,

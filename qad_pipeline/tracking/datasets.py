@@ -6,11 +6,11 @@ from __future__ import annotations
 import functools
 import json
 import warnings
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from qad_pipeline.config import Params, resolve
-from qad_pipeline.tracking.redaction import redact, redact_text
+from qad_pipeline.results import CalibrationManifest, dump_result
+from qad_pipeline.redaction import redact, redact_text
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient
@@ -57,7 +57,7 @@ def dataset_source(source: str, params: Params):
     return HuggingFaceDatasetSource(path=source, config_name=config, split=cal.split)
 
 
-def manifest_datasets(manifest: Mapping[str, Any], params: Params) -> list[tuple[Dataset, str]]:
+def manifest_datasets(manifest: CalibrationManifest, params: Params) -> list[tuple[Dataset, str]]:
     """The calibration and held-out eval datasets of a calibration manifest, with their contexts.
 
     Name `calibration` / `eval`; digest: the manifest's fingerprint, cut to the 36 characters
@@ -68,17 +68,13 @@ def manifest_datasets(manifest: Mapping[str, Any], params: Params) -> list[tuple
     from mlflow.types import Schema, TensorSpec
     from mlflow.utils.validation import MAX_DATASET_DIGEST_SIZE
 
-    source = dataset_source(str(manifest.get("source") or params.calibration.source), params)
+    source = dataset_source(manifest.source or params.calibration.source, params)
     out = []
-    for name, context in (("calibration", "calibration"), ("eval", "evaluation")):
-        part = manifest.get(name)
-        if not isinstance(part, Mapping) or not part.get("fingerprint"):
-            continue
-        seq_len = part.get("seq_len")
-        schema = Schema([TensorSpec(np.dtype("int64"), (-1, int(seq_len)), "input_ids")]) if seq_len else None
-        profile = dict(part)
-        digest = str(part["fingerprint"])[:MAX_DATASET_DIGEST_SIZE]
-        out.append((_manifest_dataset_class()(source, name, digest, schema, profile), context))
+    for name, context, part in (("calibration", "calibration", manifest.calibration),
+                                ("eval", "evaluation", manifest.eval)):
+        schema = Schema([TensorSpec(np.dtype("int64"), (-1, part.seq_len), "input_ids")]) if part.seq_len else None
+        digest = part.fingerprint[:MAX_DATASET_DIGEST_SIZE]
+        out.append((_manifest_dataset_class()(source, name, digest, schema, dump_result(part)), context))
     return out
 
 

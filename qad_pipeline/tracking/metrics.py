@@ -7,7 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.tracking.redaction import flatten
+from qad_pipeline.results import TaskScore
+from qad_pipeline.redaction import flatten
 
 
 def number(value: Any) -> float | None:
@@ -35,19 +36,20 @@ def numeric_leaves(data: Mapping[str, Any], prefix: str = "") -> dict[str, float
     return {metric_key(k): number(v) for k, v in flatten(data, prefix).items() if number(v) is not None}
 
 
-def task_metrics(tasks: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def task_metrics(tasks: Mapping[str, TaskScore]) -> dict[str, float]:
     """score.<task> and, where the file has it, recovery.<task>."""
     out = {}
     for task, score in tasks.items():
-        if number(score.get("value")) is not None:
-            out[metric_key(f"score.{task}")] = float(score["value"])
-        if number(score.get("recovery")) is not None:
-            out[metric_key(f"recovery.{task}")] = float(score["recovery"])
-        ci = ci_metrics(score.get("recovery_ci"), "recovery")
+        if number(score.value) is not None:
+            out[metric_key(f"score.{task}")] = float(score.value)
+        if number(score.recovery) is not None:
+            out[metric_key(f"recovery.{task}")] = float(score.recovery)
+        ci = ci_metrics(score.recovery_ci, "recovery")
         out.update({metric_key(f"{k}.{task}"): v for k, v in ci.items()})
     return out
 
 
-def pick(data: Mapping[str, Any], *keys: str) -> dict[str, float]:
-    """Those of `keys` whose value in `data` is a number, as floats."""
-    return {k: float(data[k]) for k in keys if number(data.get(k)) is not None}
+def pick(result: Any, *fields: str) -> dict[str, float]:
+    """Those of `fields` of a result model (or row) that are numbers, as floats; a field that a
+    variant of the file does not have (a failed recipe's figures) is left out."""
+    return {k: float(v) for k in fields if number(v := getattr(result, k, None)) is not None}

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import CalibrationManifest, QADMetrics, read_result
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.metrics import number
-from qad_pipeline.tracking.redaction import redact, redact_text
+from qad_pipeline.redaction import redact, redact_text
 from qad_pipeline.tracking.store import (
     ERROR,
     GIT_COMMIT,
@@ -80,24 +80,24 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
 
 def version_facts(layout: Layout, parent: Any, export_run: Any) -> dict[str, Any]:
     """What a registered version records about itself, from the files and the runs' tags."""
-    qad = read_json(layout.qad_metrics) if layout.qad_metrics.is_file() else {}
-    manifest = read_json(layout.data / "manifest.json") if (layout.data / "manifest.json").is_file() else {}
-    ci = qad.get("median_recovery_ci") if isinstance(qad.get("median_recovery_ci"), list) else [None, None]
+    qad = read_result(layout.qad_metrics, QADMetrics, missing_ok=True)
+    manifest = read_result(layout.data / "manifest.json", CalibrationManifest, missing_ok=True)
+    ci = qad.median_recovery_ci if qad is not None else (None, None)
     m = export_run.data.metrics
     return {
-        "recipe": export_run.data.tags.get(RECIPE) or qad.get("recipe") or parent.data.tags.get("qad.selected"),
+        "recipe": export_run.data.tags.get(RECIPE) or (qad and qad.recipe) or parent.data.tags.get("qad.selected"),
         "pipeline_run_id": parent.info.run_id,
-        "median_recovery": qad.get("median_recovery"),
+        "median_recovery": qad and qad.median_recovery,
         "median_recovery_ci_low": ci[0], "median_recovery_ci_high": ci[1],
-        "ptq_median_recovery": qad.get("ptq_median_recovery"),
-        "kl_divergence": qad.get("kl_divergence"),
+        "ptq_median_recovery": qad and qad.ptq_median_recovery,
+        "kl_divergence": qad and qad.kl_divergence,
         "effective_bpe": m.get("effective_bpe"),
         "size_bytes": None if m.get("size_bytes") is None else int(m["size_bytes"]),
         "git_commit": parent.data.tags.get(GIT_COMMIT),
         "base_model.path": parent.data.tags.get("base_model.path"),
         "base_model.sha256": parent.data.tags.get("base_model.sha256"),
-        "calibration.fingerprint": (manifest.get("calibration") or {}).get("fingerprint"),
-        "eval.fingerprint": (manifest.get("eval") or {}).get("fingerprint"),
+        "calibration.fingerprint": manifest and manifest.calibration.fingerprint,
+        "eval.fingerprint": manifest and manifest.eval.fingerprint,
     }
 
 

@@ -9,10 +9,10 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import read_summary, report_markdown, run_description
+from qad_pipeline.results import BaselineMetrics, ExportMetrics, SelectionResult, dump_result, read_result
 from qad_pipeline.stages import STAGES
 from qad_pipeline.tracking.children import (
     REASON_FILE,
@@ -23,7 +23,7 @@ from qad_pipeline.tracking.children import (
 )
 from qad_pipeline.tracking.datasets import log_inputs
 from qad_pipeline.tracking.metrics import metric_key
-from qad_pipeline.tracking.redaction import flatten, redact, redact_data, redact_text
+from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
 from qad_pipeline.tracking.store import (
     FLOW_RUN_ID,
@@ -118,10 +118,9 @@ def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | Non
 def _checkpoint_identity(layout: Layout, params: Params) -> dict:
     """The base checkpoint's path, revision and sha256, as the baseline stage recorded it; when
     there is no baseline yet, `checkpoint_identity` of the configured model (hashes a local folder)."""
-    if layout.baseline_metrics.is_file():
-        model = read_json(layout.baseline_metrics).get("model")
-        if isinstance(model, Mapping) and model.get("path"):
-            return dict(model)
+    baseline = read_result(layout.baseline_metrics, BaselineMetrics, missing_ok=True)
+    if baseline is not None and baseline.model.path:
+        return dump_result(baseline.model)
     try:
         from qad_pipeline.modeling import checkpoint_identity
 
@@ -191,15 +190,15 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     if not layout.selection_metrics.is_file():
         missing = next(s for s in STAGES if not STAGES[s].per_recipe and not result_file(layout, s).is_file())
         return "FAILED", f"no result from {missing}"
-    selection = read_json(layout.selection_metrics)
-    if selection.get("selected") is None:
-        return "FINISHED", "no recipe selected: " + str(selection.get("reason"))
+    selection = read_result(layout.selection_metrics, SelectionResult)
+    if selection.selected is None:
+        return "FINISHED", "no recipe selected: " + selection.reason
     if params.selection.policy != "qad":
-        return "FINISHED", f"PTQ is the last step ({selection['selected']})"
+        return "FINISHED", f"PTQ is the last step ({selection.selected})"
     for stage in (name for name, declared in STAGES.items() if declared.after_selection):
         if not result_file(layout, stage).is_file():
             return "FAILED", f"no result from {stage}"
-    if not read_json(layout.export_metrics).get("passed"):
+    if not read_result(layout.export_metrics, ExportMetrics).passed:
         return "FAILED", "export verification failed"
     return "FINISHED", "exported"
 

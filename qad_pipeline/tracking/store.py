@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qad_pipeline.config import ConfigError
-from qad_pipeline.tracking.redaction import redact_text
+from qad_pipeline.redaction import redact_text
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient

@@ -1,7 +1,10 @@
-"""Secrets kept out of the tracking store: every param, tag and JSON/text artifact passes through here.
+"""Secrets kept out of every output: each MLflow param, tag and JSON/text artifact, and each error
+line the CLI prints, passes through here; `secret_in` lets the params loader refuse a value that
+holds one before it can reach a log, MLflow or Prefect's database.
 
-A key is secret-like when a word of it ends with token, secret, password, key or credential
-(`HF_TOKEN`, `api_key`, not `tokenizer`); the values of such environment variables and URL
+A key is secret-like when its last word (before an `_ID`) is token, secret, password, key or
+credential, alone or after api/access/auth/private/... (`HF_TOKEN`, `api_key`, `apiKey`, not
+`tokenizer`, `monkey` or `token_count`); the values of such environment variables and URL
 credentials (`user:pass@`) are scrubbed out of any text.
 """
 
@@ -14,18 +17,23 @@ from collections.abc import Mapping
 from typing import Any
 
 REDACTED = "***"
-# A name is split into words (at '_', '.', '-', digits and camelCase humps); it is secret-like when a
-# word ends with one of these: HF_TOKEN, api_key, apiKey, AWS_SECRET_ACCESS_KEY, db.password,
-# accesstoken; not tokenizer, tokens_per_step or keyframes.
-SECRET_WORD = re.compile(r"(token|secrets?|password|passwd|key|credentials?)$")
+# A name is split into words (at '_', '.', '-', digits and camelCase humps); it is secret-like when its
+# last word is one of these, alone or joined to a prefix that makes one: HF_TOKEN, api_key, apiKey,
+# AWS_SECRET_ACCESS_KEY, db.password, accesstoken; not tokenizer, tokens_per_step, token_count,
+# keyframes or monkey.
+SECRET_WORD = re.compile(r"^(hf|api|access|auth|bearer|client|private|refresh|session|secret|db)?"
+                         r"(token|secrets?|password|passwd|pwd|key|credentials?)$")
 NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 MIN_SECRET_LENGTH = 6  # environment values shorter than this are not scrubbed out of text
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s:]*(?::[^/@\s]*)?@")
 
 
 def is_secret_name(key: str) -> bool:
-    """A key named like a secret: one of its words ends with token, secret, password, key or credential."""
-    return any(SECRET_WORD.search(word.lower()) for word in NAME_WORDS.findall(str(key)))
+    """A key named like a secret: its last word is token, secret, password, key or credential."""
+    words = [w.lower() for w in NAME_WORDS.findall(str(key))]
+    if len(words) > 1 and words[-1] == "id":  # AWS_ACCESS_KEY_ID: the key's own name
+        words.pop()
+    return bool(words) and SECRET_WORD.search(words[-1]) is not None
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -40,6 +48,17 @@ def redact_text(text: str) -> str:
     for value in secret_values():
         text = text.replace(value, REDACTED)
     return URL_CREDENTIALS.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", text)
+
+
+def secret_in(text: str) -> str | None:
+    """What secret `text` holds, named without its value (an environment variable's name, or URL
+    credentials); None when it holds none."""
+    for name, value in sorted(os.environ.items()):
+        if is_secret_name(name) and value and len(value) >= MIN_SECRET_LENGTH and value in text:
+            return f"the value of ${name}"
+    if URL_CREDENTIALS.search(text):
+        return "credentials in a URL (user:password@)"
+    return None
 
 
 def _as_text(value: Any) -> str:

@@ -1,0 +1,108 @@
+"""Cancelling a run: SIGTERM to `qad-pipeline run` stops every stage process and the temporary
+Prefect server within seconds, leaves nothing half-written and no RUNNING MLflow run, and the
+same command then resumes (the cached baseline is not run again). Real processes, no mocks."""
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from qad_pipeline.config import PROJECT_PARAMS
+from tests.conftest import GOOD_RECIPES, TINY
+from tests.devstack import tool_env
+
+pytestmark = pytest.mark.slow
+
+RECIPE = GOOD_RECIPES[0]
+SECRETS = {"HF_TOKEN": "hf_fakeSecret0123456789", "AWS_SECRET_ACCESS_KEY": "fakeAwsSecret/0123456789",
+           "MLFLOW_TRACKING_PASSWORD": "fakeMlflowPassword0123"}
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return tree
+
+
+def descendants(pid: int) -> set[int]:
+    tree, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_every_process_and_the_same_command_resumes(tmp_path):
+    from mlflow import MlflowClient
+
+    root = tmp_path / "run"
+    command = ["qad-pipeline", "run", "--params", str(PROJECT_PARAMS), "--out-root", str(root)]
+    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "selection.ptq_final_min=0.5",
+                 "export.serving_check=skip"]:
+        command += ["--set", item]
+    # fake secrets in the environment: they must turn up in no output of the run
+    env = {**tool_env(), "PREFECT_HOME": str(tmp_path / "prefect-home"), **SECRETS}
+    env.pop("PREFECT_API_URL", None)  # the run's own temporary server
+    log = (tmp_path / "first.log").open("w")
+    run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    seen: set[int] = set()
+    stage_log = root / "artifacts" / "logs" / f"ptq-{RECIPE}.log"
+    deadline = time.time() + 600
+    while not stage_log.is_file() or stage_log.stat().st_size == 0:  # the recipe's process is at work
+        assert run.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        assert time.time() < deadline, "the PTQ stage never started"
+        seen |= descendants(run.pid)
+        time.sleep(0.5)
+    time.sleep(2)
+    seen |= descendants(run.pid)
+    stopped_at = time.time()
+    run.send_signal(signal.SIGTERM)
+    code = run.wait(timeout=90)
+    took = time.time() - stopped_at
+    log.close()
+    output = (tmp_path / "first.log").read_text()
+    time.sleep(1)
+
+    assert code == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    assert took < 60, f"the run took {took:.0f} s to stop"
+    assert len(seen) >= 2  # at least the temporary server and the PTQ stage process were there
+    left = sorted(p for p in seen if alive(p))
+    assert not left, f"still running after the run ended: {[Path(f'/proc/{p}/cmdline').read_bytes()[:200] for p in left]}"
+    assert not list(root.rglob("*.partial")), "a half-written output folder was left behind"
+    assert not (root / "artifacts" / "ptq" / RECIPE / "checkpoint").exists()  # nothing looks complete that is not
+    store = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = store.search_runs([e.experiment_id for e in store.search_experiments()])
+    assert runs and not [r.info.run_id for r in runs if r.info.status == "RUNNING"]
+    assert {r.info.status for r in runs if r.data.tags.get("qad.kind") == "pipeline"} == {"KILLED"}
+
+    baseline_usage = (root / "artifacts" / "logs" / "baseline.usage.json").stat().st_mtime_ns
+    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert (root / "metrics" / "selection.json").is_file()
+    assert (root / "artifacts" / "ptq" / RECIPE / "checkpoint").is_dir()
+    # the baseline finished before the stop: the re-run takes it from Prefect's cache
+    assert (root / "artifacts" / "logs" / "baseline.usage.json").stat().st_mtime_ns == baseline_usage
+
+    outputs = {"console": (output + again.stdout + again.stderr).encode()}
+    for path in [*root.rglob("*"), *(tmp_path / "prefect-home").rglob("*")]:  # stage logs, MLflow, Prefect's db
+        if path.is_file() and path.stat().st_size < 200 * 2**20:
+            outputs[str(path)] = path.read_bytes()
+    leaks = [(name, where) for name, value in SECRETS.items() for where, data in outputs.items()
+             if value.encode() in data]
+    assert not leaks, leaks

@@ -1,0 +1,114 @@
+"""kill -9 at seeded random points of a stage, then the same command again: it completes, its result
+equals an uninterrupted run's (within the tolerances below), and nothing half-written is left or
+looks complete. Real processes, no mocks, in a private copy of the shared flow run.
+
+`QAD_FAULT_POINTS` kill points per stage (default 1; the matrix in the README uses 5):
+
+    QAD_FAULT_POINTS=5 python -m pytest -q -s tests/test_faults.py
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qad_pipeline.artifacts import read_json
+from qad_pipeline.layout import Layout
+from tests.conftest import GOOD_RECIPES
+
+pytestmark = pytest.mark.slow
+
+POINTS = int(os.environ.get("QAD_FAULT_POINTS", "1"))
+SEED = 0
+RECIPE = GOOD_RECIPES[0]
+QAD_LOSS_RTOL = 1e-3  # a resumed QAD run against an uninterrupted one (AdamW and schedule restored)
+
+
+def result(layout: Layout, stage: str) -> dict:
+    """What must come out the same however often the stage was killed."""
+    if stage == "calibration":
+        manifest = read_json(layout.data / "manifest.json")
+        return {"calibration": manifest["calibration"]["fingerprint"], "eval": manifest["eval"]["fingerprint"]}
+    if stage == "ptq":
+        scores = read_json(layout.ptq(RECIPE) / "scores.json")
+        return {"kl": scores["kl_divergence"], "bpe": scores["effective_bpe"],
+                "tasks": {t: v["value"] for t, v in scores["tasks"].items()}}
+    if stage == "qad":
+        curve = read_json(layout.qad / "loss.json")
+        return {"steps": curve["steps"], "final_loss": curve["losses"][-1]["loss"]}
+    export = read_json(layout.export_metrics)
+    return {"passed": export["passed"], "size_bytes": export["size_bytes"], "bpe": export["effective_bpe"]}
+
+
+def looks_complete(layout: Layout, stage: str) -> bool:
+    marker = {"calibration": layout.data / "manifest.json", "ptq": layout.ptq(RECIPE) / "checkpoint",
+              "qad": layout.qad / "model", "export": layout.export_metrics}[stage]
+    return marker.exists()
+
+
+@pytest.fixture(scope="module")
+def run_copy(pipeline_run, tmp_path_factory):
+    _, layout, overrides, _ = pipeline_run
+    root = tmp_path_factory.mktemp("faults") / "run"
+    shutil.copytree(layout.root, root, ignore=shutil.ignore_patterns("qad_checkpoints", "mlflow.db", "mlruns"))
+    return Layout(root), [*overrides, "export.serving_check=skip"]
+
+
+def command(layout: Layout, overrides: list[str], stage: str) -> list[str]:
+    cmd = [sys.executable, "-m", "qad_pipeline", "stage", stage, *([RECIPE] if stage == "ptq" else []),
+           "--out-root", str(layout.root)]
+    for item in overrides:
+        cmd += ["--set", item]
+    return cmd
+
+
+def run_to_end(cmd: list[str]) -> float:
+    started = time.time()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return time.time() - started
+
+
+def close(a, b, rtol: float) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k], rtol) for k in a)
+    if isinstance(a, float):
+        return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+    return a == b
+
+
+@pytest.mark.parametrize("stage", ["calibration", "ptq", "qad", "export"])
+def test_kill_9_then_the_same_command_completes_with_the_same_result(run_copy, stage):
+    layout, overrides = run_copy
+    cmd = command(layout, overrides, stage)
+    shutil.rmtree(layout.qad_checkpoints, ignore_errors=True)
+    seconds = run_to_end(cmd)  # the uninterrupted result
+    expected = result(layout, stage)
+    rng = random.Random(f"{SEED}-{stage}")
+    outcomes = []
+    for point in range(POINTS):
+        shutil.rmtree(layout.qad_checkpoints, ignore_errors=True)  # QAD starts afresh, then resumes
+        at = rng.uniform(0.05, 0.95) * seconds
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=at)
+            killed = False
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            killed = True
+        if killed:
+            assert not looks_complete(layout, stage), f"{stage} killed at {at:.1f}s left an output that looks complete"
+        run_to_end(cmd)
+        got = result(layout, stage)
+        rtol = QAD_LOSS_RTOL if stage == "qad" else 1e-9
+        assert close(expected, got, rtol), f"{stage} killed at {at:.1f}s: {got} != uninterrupted {expected}"
+        assert not list(layout.root.rglob("*.partial")), "a half-written folder was left behind"
+        outcomes.append({"point": point, "kill_at_s": round(at, 1), "killed": killed, "same_result": True})
+    print(json.dumps({"stage": stage, "uninterrupted_s": round(seconds, 1), "outcomes": outcomes}))
