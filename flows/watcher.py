@@ -34,7 +34,6 @@ see `watch_dir` at the same path; `out_root` is `runs_root/<name>` as given, so 
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import socket
@@ -52,6 +51,7 @@ from prefect.exceptions import ObjectNotFound
 from pydantic import Field
 
 from qad_pipeline.artifacts import folder_sha256, list_files, read_json, write_json
+from qad_pipeline.runlock import flocked
 
 FLOW_NAME = "watch-base-checkpoints"
 IN_PROGRESS_SUFFIXES = (".incomplete", ".tmp")
@@ -205,22 +205,17 @@ def save_state(path: Path, state: dict) -> None:
 def state_lock(state_path: Path) -> Iterator[None]:
     """Hold `<state file>.lock` (flock, non-blocking): one watcher run at a time per state file."""
     lock_path = state_path.with_name(state_path.name + ".lock")
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            message = f"another {FLOW_NAME} run ({holder}) holds {lock_path}; this run starts nothing"
-            raise WatcherError(message) from None
+
+    def busy(fh) -> WatcherError:
+        fh.seek(0)
+        holder = fh.read().strip() or "another process"
+        return WatcherError(f"another {FLOW_NAME} run ({holder}) holds {lock_path}; this run starts nothing")
+
+    with flocked(lock_path, busy) as fh:
         fh.truncate(0)
         fh.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield
 
 
 def trigger(ckpt: Checkpoint, deployment: str, runs_root: str) -> dict:

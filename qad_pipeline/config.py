@@ -183,6 +183,12 @@ def resolve(path: str | Path, root: Path | None = None) -> Path:
     return p if p.is_absolute() else (root or project_root()) / p
 
 
+def looks_local(path: str, root: Path | None = None) -> bool:
+    """A local path (existing, or written like one: `./x`, `/x`, `~/x`, `a/b/c`), not a hub id (`name`
+    or `org/name`): the one rule for base models and calibration sources."""
+    return resolve(path, root).exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
+
+
 def yaml_error(err: yaml.YAMLError, source: str, column_offset: int = 0) -> str:
     """One line for a YAML syntax error: the source, line and column (1-based) and the problem."""
     mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)

@@ -23,6 +23,7 @@ from pathlib import Path
 from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, LIGHT_PROCESS_BASE, PROCESS_BASE,
                                        SELECTION_PROCESS, GiB, MiB, ModelShape, Phase, model_shape, stage_phases)
+from qad_pipeline.report import aligned
 from qad_pipeline.stages import planned
 
 HEADROOM = 0.9                    # the share of the free memory the plan lets the stages use
@@ -291,9 +292,7 @@ def table(estimates: list[StageEstimate], cap: Capacity) -> str:
     rows = [("stage", "peak phase", "host MiB", "GPU MiB", "at once", "fits")]
     rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), str(e.max_parallel), "yes" if e.fits else "NO")
              for e in estimates]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-             for r in rows]
+    lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
     gpus = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
     lines.append(f"usable ({HEADROOM:.0%} of what is free): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {gpus}; "
                  f"the stages run on {cap.device}")

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from qad_pipeline.artifacts import folder_sha256
-from qad_pipeline.config import BaseModelParams, ConfigError, HardwareParams, resolve
+from qad_pipeline.config import BaseModelParams, ConfigError, HardwareParams, looks_local, resolve
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -43,8 +43,7 @@ def model_location(params: BaseModelParams) -> str:
     local = resolve(params.path)
     if local.exists():
         return str(local)
-    looks_local = params.path.startswith((".", "/", "~")) or params.path.count("/") != 1
-    if looks_local:
+    if looks_local(params.path):
         raise ConfigError(
             f"base model path {params.path!r} does not exist "
             "(give an existing local folder or a hub id such as 'org/name')"

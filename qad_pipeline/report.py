@@ -162,14 +162,23 @@ def markdown_table(rows: list[dict]) -> list[str]:
     return ["", *lines, *("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows), ""]
 
 
+def aligned(header: list[str], cells: list[list[str]], right: frozenset[int] = frozenset(),
+            rule: bool = True) -> list[str]:
+    """The project's one text table: columns two spaces apart, left-aligned but those in `right`,
+    a rule of dashes under the header unless `rule` is off."""
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(header)]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    return [line(header), *([line(["-" * w for w in widths])] if rule else []), *(line(r) for r in cells)]
+
+
 def text_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     cols = _columns(rows)
-    cells = [[_one_line(_fmt(r.get(c))) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*row) for row in cells]
+    return aligned(cols, [[_one_line(_fmt(r.get(c))) for c in cols] for r in rows])
 
 
 # -- the report ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 import uuid
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TextIO
 
 from qad_pipeline.config import ConfigError
 
@@ -53,6 +53,23 @@ def _read(fh) -> dict:
 
 
 @contextmanager
+def flocked(path: Path, busy) -> Iterator[TextIO]:
+    """`path` opened and held with `flock` (exclusive, non-blocking) for the block: the project's one
+    file lock (the run lock below, the watcher's state). When another process holds it, raises
+    `busy(fh)` with the file open at the holder's description."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy(fh) from None
+        try:
+            yield fh
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
 def run_lock(root: Path, what: str, on_stale=None) -> Iterator[str]:
     """Hold the output root's lock; yields the token that the run's own stage processes pass.
 
@@ -60,22 +77,22 @@ def run_lock(root: Path, what: str, on_stale=None) -> Iterator[str]:
     through. `on_stale(message)` is called when the previous holder was killed before it finished.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_NAME
-    with path.open("a+") as fh:
-        holder = _read(fh)
-        token = os.environ.get(TOKEN_ENV)
-        if token and holder.get("token") == token and not holder.get("finished"):
+    token = os.environ.get(TOKEN_ENV)
+    if token and path.is_file():
+        with path.open() as fh:
+            holder = _read(fh)
+        if holder.get("token") == token and not holder.get("finished"):
             yield token  # a stage of the run that holds the lock
             return
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise LockHeld(
-                f"{root} is being written by another qad-pipeline run ({_describe(_read(fh))}); "
-                f"refusing to {what} into the same outputs. Wait for it to finish (or stop it), or "
-                "give this run another --out-root."
-            ) from None
+
+    def busy(fh) -> LockHeld:
+        return LockHeld(f"{root} is being written by another qad-pipeline run ({_describe(_read(fh))}); "
+                        f"refusing to {what} into the same outputs. Wait for it to finish (or stop it), or "
+                        "give this run another --out-root.")
+
+    with flocked(path, busy) as fh:
+        holder = _read(fh)
         if holder and not holder.get("finished") and on_stale is not None:
             on_stale(
                 f"the previous run on {root} ({_describe(holder)}) was killed before it finished. "
@@ -90,7 +107,6 @@ def run_lock(root: Path, what: str, on_stale=None) -> Iterator[str]:
             yield token
         finally:
             _write(fh, {**mine, "finished": True, "ended": time.time()})
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _write(fh, data: dict) -> None:

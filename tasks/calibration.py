@@ -27,7 +27,7 @@ import datasets
 import numpy as np
 
 from qad_pipeline.artifacts import fingerprint, staged_dir
-from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, resolve
+from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, looks_local, resolve
 from qad_pipeline.layout import Layout
 from qad_pipeline.results import CalibrationManifest, CalibrationSet, HeldOutSet, dump_result, write_result
 
@@ -64,7 +64,7 @@ def read_documents(params: CalibrationParams) -> list[str]:
         else:
             ds = datasets.load_dataset("text", data_files=str(local), sample_by="paragraph", split="train")
             field = "text"
-    elif is_local_source(params.source):
+    elif looks_local(params.source):
         raise ConfigError(f"calibration.source {params.source!r} does not exist (a local path or a hub dataset id)")
     else:
         ds = datasets.load_dataset(params.source, params.dataset_config, split=params.split)
@@ -191,19 +191,14 @@ def prepare_calibration(params: Params, tokenizer) -> CalibrationData:
     return CalibrationData(len(docs), calib_idx, eval_idx, calib, ppl, cloze, cont)
 
 
-def is_local_source(source: str) -> bool:
-    """A local path (existing or written like one), not a hub dataset id."""
-    return resolve(source).exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
-
-
 def check_calibration(params: Params, tokenizer) -> None:
     """Preflight: a local calibration source (and a local qad.source) yields what the stages need.
 
     Hub dataset ids are left to the calibration stage: checking them would mean downloading them.
     """
-    if is_local_source(params.calibration.source):
+    if looks_local(params.calibration.source):
         prepare_calibration(params, tokenizer)
-    if params.qad.source is not None and is_local_source(params.qad.source):
+    if params.qad.source is not None and looks_local(params.qad.source):
         read_documents(params.calibration.model_copy(update={"source": params.qad.source}))
 
 

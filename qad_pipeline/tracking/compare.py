@@ -8,6 +8,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from qad_pipeline.config import ConfigError
+from qad_pipeline.report import aligned
 from qad_pipeline.redaction import redact_text
 from qad_pipeline.tracking.store import (
     ERROR,
@@ -147,9 +148,7 @@ def compare_text(rows: list[dict]) -> str:
               num(r.get("kl_divergence"), ".4f"), num(r.get("effective_bpe"), ".3f"),
               num(None if r.get("size_bytes") is None else r["size_bytes"] / 1e6, ".3f")] for r in rows]
     header[0] = "  " + header[0]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
-    line = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [line.format(*header), line.format(*("-" * w for w in widths))] + [line.format(*c) for c in cells]
+    out = aligned(header, cells)
     out += [f"{r['name']} FAILED: {r['error'][:300]}" for r in rows if r.get("error")]
     if any(r.get("selected") for r in rows):
         out.append("* selected recipe (recovery: quantized vs BF16 score; median over tasks)")
