@@ -12,6 +12,8 @@ from qad_pipeline.flows import publish
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.results import dump_result
+from tests import samples
 
 ROWS = [{"choice": "", "name": "bf16", "status": "ok", "median rec. %": 100.0, "CI %": ""},
         {"choice": "★ selected", "name": "r1", "status": "ok", "median rec. %": 99.0, "CI %": "97.50–100.30"},
@@ -48,8 +50,8 @@ def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_pat
     client = tracking.client_for(tracking.tracking_uri(tmp_path))
     exp = tracking.ensure_experiment(client, tracking.experiment_name(params.base_model.path))
     run_id = client.create_run(exp).info.run_id
-    summary = {"selection": {"selected": "r1", "reason": "r1 is the most compressed.", "policy": "qad",
-                             "band": [0.95, 0.99]}, "recipes": ROWS}
+    chosen = samples.selection("r1", [], reason="r1 is the most compressed.")
+    summary = {"selection": dump_result(chosen), "recipes": ROWS}
 
     @flow
     def publishing() -> str:
