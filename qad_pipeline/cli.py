@@ -249,7 +249,7 @@ def dvc_yaml_command(
     check: Annotated[bool, typer.Option("--check", help="only say whether dvc.yaml is current; exit 1 if not")] = False,
 ) -> None:
     """Write the project's dvc.yaml from the stage registry (qad_pipeline/stages.py)."""
-    from qad_pipeline.stages import PROJECT_ROOT
+    from qad_pipeline.config import PROJECT_ROOT
     from qad_pipeline.versioning import dvc_yaml
 
     path, text = PROJECT_ROOT / "dvc.yaml", dvc_yaml()

@@ -24,11 +24,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from qad_pipeline.config import PROJECT_ROOT
+
 if TYPE_CHECKING:
     from qad_pipeline.config import Params
     from qad_pipeline.layout import Layout
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "qad_pipeline"
 # Where the package's subpackages live in the tree (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"qad_pipeline.tasks": "tasks", "qad_pipeline.flows": "flows", PACKAGE: "qad_pipeline"}
@@ -172,13 +173,6 @@ def planned(params: Params) -> list[tuple[Stage, str | None]]:
             continue
         runs += [(declared, r) for r in params.ptq.recipes] if declared.per_recipe else [(declared, None)]
     return runs
-
-
-def stage(name: str) -> Stage:
-    try:
-        return STAGES[name]
-    except KeyError:
-        raise ValueError(f"unknown stage {name!r}: one of {list(STAGES)}") from None
 
 
 # -- code dependencies: the import graph ----------------------------------------------------------

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from qad_pipeline.config import load_params
-from qad_pipeline.stages import PROJECT_ROOT, STAGES, fill
+from qad_pipeline.config import PROJECT_ROOT, load_params
+from qad_pipeline.stages import STAGES, fill
 
 
 def dvc_project(root: Path) -> bool:
