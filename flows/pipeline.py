@@ -166,6 +166,34 @@ def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:
     return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
 
 
+def cancel_pool_runs(why: str) -> int:
+    """Cancel the flow runs this run started on pools (`run_on_pool`) that have not ended; how many.
+
+    Their workers then stop their processes. Prefect's server would cancel them only once this
+    run is Cancelled (its cancellation-cleanup loop), and never when this run is stopped any
+    other way; meanwhile the threads waiting for them would keep this run from ending.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Cancelling
+
+    me = _flow_run_id()
+    if me is None:
+        return 0
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[me])))
+            running = [r for r in runs if r.deployment_id and r.state and not r.state.is_final()
+                       and not r.state.is_cancelling()]
+            for run in running:
+                client.set_flow_run_state(run.id, Cancelling(message=why))
+    except Exception as err:  # noqa: BLE001  (the run is stopping either way; Prefect's server cleans up later)
+        get_run_logger().warning("could not cancel the flow runs started on pools (%s)", err)
+        return 0
+    return len(running)
+
+
 def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: dict[str, Any] | None) -> list[str]:
     """The flow's typed parameters as `section.key=value` overrides of params.yaml."""
     items = [f"base_model.path={base_model}"] if base_model else []
@@ -216,8 +244,10 @@ def qad_pipeline(
             track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
             raise
         except BaseException as err:  # SIGTERM or a Prefect cancel (TerminationSignal), Ctrl-C
+            cancelled = cancel_pool_runs(f"the qad-pipeline run that started it was stopped ({type(err).__name__})")
             stopped = processes.stop_all()
-            get_run_logger().warning("stopped (%s): %d stage process(es) stopped", type(err).__name__, len(stopped))
+            get_run_logger().warning("stopped (%s): %d stage process(es) stopped, %d flow run(s) on pools cancelled",
+                                     type(err).__name__, len(stopped), cancelled)
             track(layout, params, f"KILLED: stopped ({type(err).__name__})", parent_run, None, status="KILLED")
             raise
         summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
@@ -319,13 +349,18 @@ def base_model_slot(params):
         except ObjectAlreadyExists:
             pass
     get_run_logger().info("waiting for base-model slot %s (%s)", name, params.base_model.path)
-    return concurrency(name, occupy=1, strict=True)
+    # A renewal that fails (the server lost the lease: a restart of one that keeps leases in memory)
+    # warns and lets the run go on rather than stopping it; the run lock still guards the out-root.
+    return concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False)
 
 
 def start_tracking(layout: Layout, params) -> str | None:
     """Open the MLflow parent run at the start, so the run shows while it runs."""
     try:
-        return tracking.start_pipeline_run(layout, params, flow_run_id=_flow_run_id(), git_commit=tracking.git_commit())
+        run_id = tracking.start_pipeline_run(layout, params, flow_run_id=_flow_run_id(),
+                                             git_commit=tracking.git_commit())
+        tracking.record_run(layout, tracking.tracking_uri(layout.root), run_id, logged=False)
+        return run_id
     except Exception as err:  # noqa: BLE001  (tracking must never cost the pipeline its results)
         get_run_logger().warning("MLflow: could not start the run (%s); results stay on disk", err)
         return None
@@ -333,14 +368,18 @@ def start_tracking(layout: Layout, params) -> str | None:
 
 def track(layout: Layout, params, report: str, parent_run: str | None, export_metrics: dict | None,
           status: str | None = None) -> dict:
-    """Log the run's files to MLflow and register the export; on failure, say how to log later."""
+    """Log the run's files to MLflow and register the export; on failure, say how to log later
+    (the run stays recorded as not logged whole: `log-mlflow` completes it, logging nothing twice)."""
     try:
+        uri = tracking.tracking_uri(layout.root)
+        tracking.check_reachable(uri)  # a store that went away: seconds, not the client's minutes of retries
         run_id = tracking.log_pipeline(layout, params, flow_run_id=_flow_run_id(), git_commit=tracking.git_commit(),
                                        report=report, run_id=parent_run, status=status)
         version = None
         if (export_metrics or {}).get("passed"):
             version = tracking.register_export(layout, params, run_id)
-        return {"uri": tracking.tracking_uri(layout.root), "run_id": run_id, "model_version": version,
+        tracking.record_run(layout, uri, run_id, logged=True, model_version=version)
+        return {"uri": uri, "run_id": run_id, "model_version": version,
                 "registered_model": tracking.registered_model_name(params.base_model.path) if version else None}
     except Exception as err:  # noqa: BLE001
         get_run_logger().warning(

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -107,6 +108,7 @@ def run(
 
     from prefect.exceptions import TerminationSignal
 
+    processes.start_watchdog()  # a `kill -9` of this run stops what it started too (Prefect's temporary server)
     processes.raise_on_signals()  # Prefect passes a SIGTERM on to this handler once the flow has stopped
     try:
         summary = qad_pipeline(params_file=str(params_file), overrides=list(overrides or []), out_root=str(out_root),
@@ -164,6 +166,12 @@ def stage(
             run_stage(name, params, layout, recipe)
     except (ConfigError, StageError) as err:
         _fail(err)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _fail(StageError(f"stage {name.value}: {err.strerror} writing {err.filename or layout.root}; nothing "
+                         "half-written was put in place (outputs are staged, then moved in whole); free some space "
+                         "and run it again"))
 
 
 @app.command("log-mlflow")
@@ -172,28 +180,42 @@ def log_mlflow(
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
     out_root: RootOpt = None,
+    again: Annotated[bool, typer.Option("--again", help="log a new run even if this run is logged already")] = False,
 ) -> None:
-    """Log a finished run's files to MLflow again (e.g. after the tracking server was away)."""
+    """Log a finished run's files to MLflow (e.g. after the tracking server was away).
+
+    The run the pipeline started in MLflow (`artifacts/mlflow_run.json`) is completed: what was
+    logged before is kept, nothing is logged twice, and a run logged whole is left as it is
+    (`--again` logs a new one).
+    """
     from qad_pipeline import tracking
     from qad_pipeline.artifacts import read_json
     from qad_pipeline.report import recipe_rows, report_text
 
     layout = Layout(output_root(out_root, params_file))
+    uri = tracking.tracking_uri(layout.root)
     try:
         params = resolve_params(params_file, overrides, base_model)
-        tracking.check_reachable(tracking.tracking_uri(layout.root))
+        tracking.check_reachable(uri)
         if not layout.selection_metrics.is_file():
             raise ConfigError(f"no finished run under {layout.root} (no {layout.selection_metrics})")
     except ConfigError as err:
         _fail(err)
+    record = None if again else tracking.recorded_run(layout, uri)
+    if record is not None and record.logged:
+        typer.echo(f"run {record.run_id} in {record.uri} holds this run already"
+                   + (f" (model version {record.model_version})" if record.model_version else "")
+                   + "; nothing logged (--again logs a new run)")
+        return
     summary = {"selection": read_json(layout.selection_metrics), "recipes": recipe_rows(layout, params.ptq.recipes)}
     for key, path in (("qad", layout.qad_metrics), ("export", layout.export_metrics)):
         if path.is_file():
             summary[key] = read_json(path)
     run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=tracking.git_commit(),
-                                   report=report_text(summary))
+                                   report=report_text(summary), run_id=record and record.run_id)
     version = tracking.register_export(layout, params, run_id) if summary.get("export", {}).get("passed") else None
-    typer.echo(f"logged run {run_id} to {tracking.tracking_uri(layout.root)}"
+    tracking.record_run(layout, uri, run_id, logged=True, model_version=version)
+    typer.echo(f"{'completed' if record else 'logged'} run {run_id} in {tracking.redact_text(uri)}"
                + (f"; registered model version {version}" if version else ""))
 
 

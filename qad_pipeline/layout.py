@@ -63,6 +63,11 @@ class Layout:
         return self.root / "metrics"
 
     @property
+    def tracking_record(self) -> Path:
+        """Which MLflow run this out-root's pipeline run is logged in (`results.TrackingRecord`)."""
+        return self.root / "artifacts" / "mlflow_run.json"
+
+    @property
     def baseline_metrics(self) -> Path:
         return self.metrics / "baseline.json"
 

@@ -9,6 +9,8 @@
   and a half-written output folder is removed, not left behind.
 - `exit_reason`: why a stage process ended, naming the signal; out of memory only when the
   kernel's OOM killer counted a kill.
+- `start_watchdog`: a process that outlives a `kill -9` of the run by a moment, to stop what the
+  run started that does not die with it (Prefect's temporary server, its own child).
 """
 
 from __future__ import annotations
@@ -120,3 +122,78 @@ def exit_reason(code: int, oom_before: int | None, oom_after: int | None) -> str
     if -code == signal.SIGKILL and oom_before is None:
         return f"killed by {name} (the kernel's out-of-memory killer sends it: see `dmesg`)"
     return f"killed by {name}"
+
+
+def start_watchdog(interval_s: float = 1.0) -> subprocess.Popen:
+    """Start `watch(this process)` in a child process of its own; it ends soon after this one."""
+    code = f"from qad_pipeline.processes import watch; watch({os.getpid()}, {interval_s})"
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)  # Ctrl-C and signals to the run's group do not reach it
+
+
+def watch(parent: int, interval_s: float = 1.0, grace_s: float = 3.0) -> None:
+    """Record `parent`'s descendants (pid and start time) every `interval_s`; once `parent` has
+    died, stop those still running (SIGTERM, SIGKILL after `grace_s`), then return.
+
+    It learns of the death from SIGTERM (PR_SET_PDEATHSIG) or from its parent pid changing. A
+    recorded pid is only signalled while it is the same process (same start time), and nothing
+    is signalled while `parent` lives: a SIGTERM from anyone else only ends the watch.
+    """
+    import psutil
+
+    signalled: list[int] = []
+
+    def _wake(signum, _frame):
+        if not signalled:  # the death signal comes again when the dying process's last thread ends
+            signalled.append(signum)
+            raise Stopped(signum)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _wake)
+    die_with_parent(signal.SIGTERM)
+    recorded: dict[int, float] = {}
+    try:
+        while os.getppid() == parent:
+            try:
+                for child in psutil.Process(parent).children(recursive=True):
+                    if child.pid != os.getpid():
+                        recorded[child.pid] = child.create_time()
+            except psutil.Error:  # it is going; the next look at getppid tells
+                pass
+            time.sleep(interval_s)
+    except Stopped:
+        # The thread that started this process has ended. If others of its process were still
+        # running, this process went to one of them (same parent pid) until the last one ends.
+        deadline = time.monotonic() + 2.0
+        while os.getppid() == parent and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if os.getppid() == parent:
+        return
+    left = []
+    for pid, created in recorded.items():
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == created and _running(process):
+                process.terminate()
+                left.append(process)
+        except psutil.Error:
+            continue
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _running(p)]
+    for process in left:
+        try:
+            process.kill()  # psutil checks it is still the same process
+        except psutil.Error:
+            pass
+
+
+def _running(process) -> bool:
+    """Not ended: a zombie (ended, not yet reaped by its new parent) is no longer running."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -272,6 +272,15 @@ class ExportMetrics(_Strict):  # metrics/export.json (tasks/export.py: run_expor
     passed: bool
 
 
+class TrackingRecord(_Strict):  # artifacts/mlflow_run.json (flows/pipeline.py, qad-pipeline log-mlflow)
+    """Which MLflow run holds this out-root's pipeline run, and whether it is logged whole."""
+
+    uri: str  # the tracking store, secrets masked
+    run_id: str
+    logged: bool  # every file logged and the run ended; False: started, or cut short (log-mlflow completes it)
+    model_version: str | None = None
+
+
 class RunSummary(_Strict):
     """The flow's result: what `flows/pipeline.py: run_dag` returns (as a dict), with the flow's
     `plots`, `mlflow` and `dvc`. Also the report's input, which `report.read_summary` and

@@ -190,6 +190,13 @@ def write_reference(folder: Path, prompts: list[list[int]], logits: torch.Tensor
     return path
 
 
+def reference_bytes(logits: torch.Tensor) -> int:
+    """At most how many bytes `write_reference` writes for these logits (before compression)."""
+    prompts, positions, vocab = logits.shape
+    k = vocab if vocab <= FULL_VOCAB_MAX else TOP_K
+    return prompts * (positions - 1) * k * 8 + prompts * positions * 8
+
+
 def read_reference(folder: Path) -> dict[str, np.ndarray]:
     path = Path(folder) / REFERENCE_FILE
     if not path.is_file():

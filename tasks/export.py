@@ -25,10 +25,12 @@ checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores:
 
 from __future__ import annotations
 
+import errno
 import re
 import shutil
 import tempfile
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -298,13 +300,54 @@ def check_target(folder: Path, source_key: str) -> None:
                           "remove it or choose another --out-root rather than mix two checkpoints")
 
 
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def tokenizer_bytes(params: Params) -> int:
+    """The tokenizer files the export copies (a local base-model folder's; a hub model's: 64 MiB at most)."""
+    from qad_pipeline.config import resolve
+
+    folder = resolve(params.base_model.path)
+    if not folder.is_dir():
+        return 64 * 2**20
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith(("tokenizer", "vocab",
+                                                                                              "merges", "special")))
+
+
+def check_free_space(layout: Layout, needed: int) -> None:
+    """Refuse before writing when the out-root's disk cannot hold the staged export beside the
+    previous one (which stays until the new one has passed its checks)."""
+    needed += 2**20 + needed // 20  # configs and notes, and 5 % for the file format's own overhead
+    free = shutil.disk_usage(layout.export.parent).free
+    if free < needed:
+        raise StageError(f"not enough disk space for the export under {layout.export.parent}: it needs about "
+                         f"{mib(needed)} and {mib(free)} are free; free some space or choose another --out-root "
+                         f"(the previous export in {layout.export} is untouched)")
+
+
+@contextmanager
+def disk_full_is_reported(layout: Layout):
+    """A disk that fills up while the export is written (after `check_free_space`: something else
+    wrote meanwhile) is one line that says the previous export is intact, not an OSError."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise StageError(f"the disk under {layout.export.parent} filled up while the export was written "
+                         f"({mib(shutil.disk_usage(layout.export.parent).free)} free now): nothing was put in "
+                         f"place and the previous export in {layout.export} is as it was; free some space and "
+                         "run the stage again") from None
+
+
 def run_export(params: Params, layout: Layout) -> dict:
     """Stage core: export the QAD student, verify it, put it in place; write metrics/export.json."""
     import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-    from qad_pipeline.serving import held_out_prompts, served_logits, write_reference
+    from qad_pipeline.serving import held_out_prompts, reference_bytes, served_logits, write_reference
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
 
@@ -321,7 +364,8 @@ def run_export(params: Params, layout: Layout) -> dict:
     prompts = held_out_prompts(windows)
     served = served_logits(student, prompts)
 
-    with staged_dir(layout.export) as tmp:
+    check_free_space(layout, expected["size_bytes"] + reference_bytes(served) + tokenizer_bytes(params))
+    with disk_full_is_reported(layout), staged_dir(layout.export) as tmp:
         export_hf_checkpoint(student, export_dir=tmp)
         repaired = repair_layer_names(tmp)
         load_tokenizer(params.base_model).save_pretrained(tmp)

@@ -51,13 +51,17 @@ class LocalPrefect:
             "PREFECT_WORKER_QUERY_SECONDS": "2",
             "PREFECT_WORKER_PREFETCH_SECONDS": "2",
             "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30",
+            # The leases of global concurrency slots (the base-model slot) on disk, not in the server's
+            # memory: a restarted server that forgot them would fail the holder's renewal and keep
+            # the slot taken for good (every later run of that base model would wait forever).
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": "prefect.server.concurrency.lease_storage.filesystem",
         }
         for key in ("PREFECT_PROFILES_PATH", "PREFECT_TEST_MODE"):
             self.env.pop(key, None)
 
     # processes -------------------------------------------------------------------------------
     def _start(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = (self.folder / f"{name}.log").open("w")
+        log = (self.folder / f"{name}.log").open("a")  # a restarted server goes on writing its log
         proc = subprocess.Popen(cmd, cwd=self.project, env={**self.env, **(extra_env or {})}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
@@ -75,6 +79,15 @@ class LocalPrefect:
 
     def start(self, timeout: float = 120) -> LocalPrefect:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.start_server(timeout)
+        done = subprocess.run(["qad-pipeline", "prefect-setup"], cwd=self.project, env=self.env, capture_output=True,
+                              text=True, timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"qad-pipeline prefect-setup failed:\n{done.stdout}\n{done.stderr}")
+        return self
+
+    def start_server(self, timeout: float = 120) -> None:
+        """`prefect server start` on this stack's port and database; returns once it answers."""
         self._start("server", ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)])
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -82,17 +95,20 @@ class LocalPrefect:
                 raise RuntimeError(f"the Prefect server exited:\n{self.log('server')[-3000:]}")
             try:
                 if httpx.get(f"{self.api}/health", timeout=2).status_code == 200:
-                    break
+                    return
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        else:
-            raise RuntimeError(f"the Prefect server did not answer within {timeout:.0f}s:\n{self.log('server')[-3000:]}")
-        done = subprocess.run(["qad-pipeline", "prefect-setup"], cwd=self.project, env=self.env, capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"qad-pipeline prefect-setup failed:\n{done.stdout}\n{done.stderr}")
-        return self
+        raise RuntimeError(f"the Prefect server did not answer within {timeout:.0f}s:\n{self.log('server')[-3000:]}")
+
+    def restart_server(self, down_s: float) -> float:
+        """Stop the server, leave it down `down_s`, start it again on the same port and database;
+        the seconds it did not answer."""
+        stopped = time.time()
+        self.stop("server")
+        time.sleep(down_s)
+        self.start_server()
+        return time.time() - stopped
 
     def worker(self, pool: str, name: str, env: dict[str, str] | None = None, limit: int = 1) -> subprocess.Popen:
         """`prefect worker start --pool POOL --limit 1`: one run at a time, like one GPU."""
@@ -178,6 +194,57 @@ class LocalPrefect:
             rows = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))])),
                                     limit=200)
         return [row.message for row in rows]
+
+
+class LocalMLflow:
+    """`mlflow server` on 127.0.0.1 with a SQLite store and a local artifact folder, as a child
+    process that can be stopped and started again on the same port and store."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> LocalMLflow:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        log = (self.folder / "server.log").open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.folder / 'mlflow.db'}",
+             "--artifacts-destination", str(self.folder / "artifacts")],
+            env=tool_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"mlflow server did not answer within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+
+    def client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+
+    def __enter__(self) -> LocalMLflow:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 # A DVC project ----------------------------------------------------------------------------------

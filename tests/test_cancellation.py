@@ -1,9 +1,11 @@
 """Cancelling a run: SIGTERM to `qad-pipeline run` stops every stage process and the temporary
 Prefect server within seconds, leaves nothing half-written and no RUNNING MLflow run, and the
-same command then resumes (the cached baseline is not run again). Real processes, no mocks."""
+same command then resumes (the cached baseline is not run again); `kill -9` leaves no process of
+the run behind either (its watchdog stops the temporary server). Real processes, no mocks."""
 
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -106,3 +108,72 @@ def test_sigterm_stops_every_process_and_the_same_command_resumes(tmp_path):
     leaks = [(name, where) for name, value in SECRETS.items() for where, data in outputs.items()
              if value.encode() in data]
     assert not leaks, leaks
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (/proc's field 22): with the pid, one process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_kill_9_of_the_run_leaves_neither_the_temporary_server_nor_a_stage_running(tmp_path):
+    root = tmp_path / "run"
+    command = ["qad-pipeline", "run", "--params", str(PROJECT_PARAMS), "--out-root", str(root)]
+    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "export.serving_check=skip"]:
+        command += ["--set", item]
+    env = {**tool_env(), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)  # the run's own temporary server
+    log = (tmp_path / "run.log").open("w")
+    run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 120
+    while True:  # Prefect's temporary server (uvicorn) and the first stage process are up
+        lines = {pid: cmdline(pid) for pid in descendants(run.pid)}
+        if any("uvicorn" in line for line in lines.values()) and any(" stage " in line for line in lines.values()):
+            break
+        assert run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        assert time.time() < deadline, f"no temporary server and stage process after 120 s: {lines}"
+        time.sleep(0.5)
+    time.sleep(2)  # the watchdog has seen them (it looks every second)
+    seen = {pid: start_time(pid) for pid in descendants(run.pid)}
+    run.kill()
+    run.wait()
+    log.close()
+
+    def left() -> list[str]:
+        return [cmdline(p)[:120] for p, started in seen.items() if alive(p) and start_time(p) == started]
+
+    deadline = time.time() + 5
+    while left() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left(), f"still running 5 s after the run was killed: {left()}"
+
+
+def test_watchdog_ends_with_its_run_and_stops_only_what_the_run_left_behind():
+    run = ("import subprocess, time\n"
+           "from qad_pipeline import processes\n"
+           "watchdog = processes.start_watchdog(interval_s=0.2)\n"
+           "left = subprocess.Popen(['sleep', '60'])\n"
+           "print(watchdog.pid, left.pid, flush=True)\n"
+           "time.sleep(1)\n")  # then it ends normally, with `sleep` still running
+    bystander = subprocess.Popen(["sleep", "60"])  # not the run's: never touched
+    try:
+        done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=tool_env(), timeout=30)
+        assert done.returncode == 0, done.stderr
+        watchdog, left = map(int, done.stdout.split())
+        deadline = time.time() + 5
+        while (alive(watchdog) or alive(left)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not alive(left), "the run's leftover process is still running"
+        assert not alive(watchdog), "the watchdog did not end with its run"
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()

@@ -49,6 +49,75 @@ def recipe_runs(stack, parent_id) -> dict:
     return {r.parameters["recipe"]: r for r in runs if r.parent_task_run_id in parent_tasks}
 
 
+def working_recipes(stack, parent_id, names, timeout: float = 300) -> dict:
+    """Wait until each recipe in `names` runs as a ptq-recipe flow run on a GPU worker and its
+    stage process is at work; those runs, by recipe."""
+    def at_work():
+        children = recipe_runs(stack, parent_id)
+        runs = [children.get(name) for name in names]
+        if all(r and r.state.is_running() and r.infrastructure_pid and stage_process(r) for r in runs):
+            return children
+
+    children = wait_until(at_work, timeout, f"the recipe runs of {names} at work")
+    time.sleep(3)  # into the stage's work
+    return {name: children[name] for name in names}
+
+
+def final_recipe_runs(stack, parent_id, timeout: float) -> dict:
+    """Wait until each of the parent's recipe runs is in a final state; those runs, by recipe."""
+    def all_final():
+        children = recipe_runs(stack, parent_id)
+        return children if all(r.state.is_final() for r in children.values()) else None
+
+    return wait_until(all_final, timeout, "final states of the recipe runs")
+
+
+def stage_process(run) -> bool:
+    """The flow run's `qad-pipeline stage ...` process has started."""
+    try:
+        return any("stage" in p.cmdline() for p in run_processes(run)[1:])
+    except psutil.Error:
+        return False
+
+
+def run_processes(run) -> list[psutil.Process]:
+    """A flow run's process (its infrastructure pid on a process worker) and its descendants."""
+    pid = int(str(run.infrastructure_pid).rsplit(":", 1)[-1])  # "pid" or "host:pid"
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def alive(process: psutil.Process) -> bool:
+    """Still running: the same process (psutil compares its start time), not a zombie."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def mlflow_running(root) -> list[str]:
+    """The MLflow runs in the out-root's store that still say RUNNING."""
+    from mlflow import MlflowClient
+
+    store = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = store.search_runs([e.experiment_id for e in store.search_experiments()])
+    assert runs, "no MLflow run was logged"
+    return [r.info.run_name for r in runs if r.info.status == "RUNNING"]
+
+
+def wait_until(check, timeout: float, what: str):
+    """Poll `check()` until it returns something true; that value."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := check():
+            return value
+        time.sleep(1)
+    pytest.fail(f"{what} not within {timeout:.0f} s")
+
+
 def test_setup_created_the_pools_and_the_crash_automation(stack):
     from qad_pipeline.prefect_setup import AUTOMATION
 
@@ -105,18 +174,8 @@ def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(s
     victim_file.write_text(victim_file.read_text() + "\n# changed: only this recipe re-runs\n")
 
     parent = stack.run("qad-pipeline/default", args)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        child = recipe_runs(stack, parent).get(victim)
-        if child and child.state.is_running() and child.infrastructure_pid:
-            break
-        time.sleep(1)
-    else:
-        pytest.fail("the victim's recipe run never started")
-    time.sleep(3)
-    pid = int(str(child.infrastructure_pid).rsplit(":", 1)[-1])  # "pid" or "host:pid"
-    process = psutil.Process(pid)
-    for p in [*process.children(recursive=True), process]:  # what a lost node or an OOM kill leaves
+    child = working_recipes(stack, parent, [victim])[victim]
+    for p in reversed(run_processes(child)):  # what a lost node or an OOM kill leaves
         os.kill(p.pid, signal.SIGKILL)
     second = stack.wait(parent)
     assert second.state.is_completed(), second.state.message  # selection went on with the survivor
@@ -132,3 +191,54 @@ def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(s
     logs = "\n".join(stack.logs(third.id))
     assert f"PTQ taken from cache (inputs unchanged): {survivor}" in logs
     assert "PTQ failed" not in logs
+
+
+def test_cancelled_run_stops_its_recipe_runs_and_the_same_run_resumes(stack, tmp_path, recipe_dir):
+    root = tmp_path / "cancel"
+    args = params(root, recipe_dir)
+    parent = stack.run("qad-pipeline/default", args)
+    processes = [p for child in working_recipes(stack, parent, GOOD_RECIPES).values() for p in run_processes(child)]
+    stack.prefect("flow-run", "cancel", parent)  # what a user types
+    cancelled_at = time.time()
+
+    run = stack.wait(parent, timeout=120)
+    assert run.state.name == "Cancelled", run.state
+    children = final_recipe_runs(stack, parent, timeout=60)
+    # the parent cancels the recipe runs still at work; one that had just finished stays Completed
+    assert {r.state.name for r in children.values()} <= {"Cancelled", "Completed"}, children
+    assert any(r.state.name == "Cancelled" for r in children.values())
+    wait_until(lambda: not any(alive(p) for p in processes), 30, "the end of every process of the recipe runs")
+    assert time.time() - cancelled_at < 90, f"{time.time() - cancelled_at:.0f} s from the cancel to the last process"
+    assert not list(root.rglob("*.partial")), "a half-written output folder was left behind"
+    assert not mlflow_running(root)
+
+    finished = [name for name in GOOD_RECIPES if children[name].state.is_completed()]
+    again = stack.wait(stack.run("qad-pipeline/default", args))
+    assert again.state.is_completed(), again.state.message
+    assert set(recipe_runs(stack, again.id)) == set(GOOD_RECIPES) - set(finished)  # only the cancelled ones run
+    logs = "\n".join(stack.logs(again.id))
+    assert "baseline taken from cache (inputs unchanged)" in logs
+    if finished:
+        assert f"PTQ taken from cache (inputs unchanged): {', '.join(finished)}" in logs
+
+
+@pytest.mark.long  # ~8 min here: `python -m pytest -q -m long tests/test_deployments.py`
+def test_server_restart_mid_run_leaves_no_run_unfinished_and_the_rerun_takes_survivors_from_cache(
+        stack, tmp_path, recipe_dir):
+    args = params(tmp_path / "restart", recipe_dir)
+    parent = stack.run("qad-pipeline/default", args)
+    working_recipes(stack, parent, GOOD_RECIPES[:1])
+    away = stack.restart_server(down_s=10)
+
+    run = stack.wait(parent, timeout=420)
+    children = final_recipe_runs(stack, parent, timeout=120)
+    final = {"Completed", "Crashed", "Failed"}
+    assert run.state.name in final, (run.state, away)
+    assert {r.state.name for r in children.values()} <= final, children
+
+    survivors = [name for name in GOOD_RECIPES if name in children and children[name].state.is_completed()]
+    again = stack.wait(stack.run("qad-pipeline/default", args), timeout=420)  # the base-model slot is free again
+    assert again.state.is_completed(), again.state.message
+    assert set(recipe_runs(stack, again.id)) == set(GOOD_RECIPES) - set(survivors)
+    if survivors:
+        assert f"PTQ taken from cache (inputs unchanged): {', '.join(survivors)}" in "\n".join(stack.logs(again.id))

@@ -698,3 +698,39 @@ def test_an_alias_recipe_run_has_the_metrics_of_the_recipe_it_equals_and_no_dura
     assert child.status == "FINISHED" and child.tags["alias_of"] == ran
     assert child.metrics["median_recovery"] == 0.98 and child.metrics["median_recovery_ci_high"] == 0.99
     assert child.params["mamba_format"] == "w4a16" and child.start_ms == child.end_ms
+
+
+def test_a_logging_cut_short_is_completed_and_nothing_is_logged_twice(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model_dir = tmp_path / "base-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    params = make_params(tmp_path, model_dir)
+    layout = build_layout(tmp_path, params, time.time() - 600)
+    uri = tracking.tracking_uri(tmp_path)
+    client = MlflowClient(uri, uri)
+    run_id = tracking.start_pipeline_run(layout, params, flow_run_id="flow", git_commit="0" * 40)
+    tracking.record_run(layout, uri, run_id, logged=False)
+    tracking.log_pipeline(layout, params, flow_run_id="flow", git_commit="0" * 40, run_id=run_id)
+    before = children(client, run_id)
+    # the store went away while the export's child run was being logged: not complete, parent not ended
+    cut = before["export"].info.run_id
+    client.delete_tag(cut, "qad.complete")
+    client.update_run(cut, status="FAILED")
+    client.update_run(run_id, status="RUNNING")
+    record = tracking.recorded_run(layout, uri)
+    assert record is not None and record.run_id == run_id and not record.logged
+
+    assert tracking.log_pipeline(layout, params, flow_run_id=None, git_commit="0" * 40, run_id=run_id) == run_id
+    after = children(client, run_id)
+    assert after.keys() == before.keys()  # one child per stage and recipe, none twice
+    assert {n: r.info.run_id for n, r in after.items() if n != "export"} == \
+        {n: r.info.run_id for n, r in before.items() if n != "export"}  # the complete ones were kept
+    assert after["export"].info.run_id != cut and client.get_run(cut).info.lifecycle_stage == "deleted"
+    assert after["export"].info.status == "FINISHED" and client.get_run(run_id).info.status == "FINISHED"
+    name = tracking.registered_model_name(params.base_model.path)
+    versions = [tracking.register_export(layout, params, run_id) for _ in range(2)]
+    assert versions == ["1", "1"] and len(client.search_model_versions(f"name='{name}'")) == 1
+    pipeline_runs = client.search_runs([client.get_run(run_id).info.experiment_id],
+                                       filter_string="tags.`qad.kind` = 'pipeline'")
+    assert [r.info.run_id for r in pipeline_runs] == [run_id]

@@ -66,6 +66,8 @@ from qad_pipeline.tracking.runs import (
     log_child,
     log_pipeline,
     pipeline_status,
+    record_run,
+    recorded_run,
     start_pipeline_run,
 )
 from qad_pipeline.tracking.stale import mark_stale_runs
@@ -85,7 +87,7 @@ __all__ = [
     "CANDIDATE_ALIAS", "EXPERIMENT_PREFIX", "MODEL_SUFFIX", "REDACTED", "ChildRun", "check_reachable", "client_for",
     "compare_table", "compare_text", "ensure_experiment", "experiment_name", "find_experiment", "flatten",
     "git_commit", "headline_metrics", "is_secret_name", "latest_pipeline_run", "log_child", "log_pipeline",
-    "mark_stale_runs", "pipeline_status", "read_children", "redact", "redact_data", "redact_text",
-    "register_export", "registered_model_name", "run_url", "secret_values", "short_reason", "stage_span",
+    "mark_stale_runs", "pipeline_status", "read_children", "record_run", "recorded_run", "redact", "redact_data",
+    "redact_text", "register_export", "registered_model_name", "run_url", "secret_values", "short_reason", "stage_span",
     "start_pipeline_run", "tracking_uri", "version_description", "version_facts",
 ]

@@ -24,6 +24,7 @@ from qad_pipeline.tracking.store import (
 
 CANDIDATE_ALIAS = "candidate"
 CHECKPOINT_ARTIFACT = "checkpoint"
+REGISTERED = "qad.registered_model"  # on the pipeline run: models:/<name>/<version>
 
 
 def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: str | None = None,
@@ -36,12 +37,15 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
     (metrics/qad.json, with its interval), the PTQ recovery it started from, the git commit and
     the fingerprints of the base checkpoint and of the calibration and eval data. `alias`
     (default `candidate`) is moved onto it, so `models:/<name>@candidate` leads back to the run.
+    A run registered before keeps its version (tag `qad.registered_model`): none is added.
     """
     from mlflow.exceptions import MlflowException
 
     uri = uri or tracking_uri(layout.root)
     client = client_for(uri)
     parent = client.get_run(parent_run_id)
+    if REGISTERED in parent.data.tags:  # registered by an earlier logging of this run: not a second version
+        return parent.data.tags[REGISTERED].rsplit("/", 1)[-1]
     export_runs = [r for r in child_runs(client, parent) if r.data.tags.get(STAGE) == "export"]
     if not export_runs:
         raise ConfigError(f"pipeline run {parent_run_id} has no export run to register "
@@ -74,7 +78,7 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
     client.set_registered_model_alias(name, alias, version.version)
     where = f"models:/{name}/{version.version}"
     client.set_tag(run.info.run_id, "registered_model", where)
-    client.set_tag(parent_run_id, "qad.registered_model", where)
+    client.set_tag(parent_run_id, REGISTERED, where)
     return str(version.version)
 
 

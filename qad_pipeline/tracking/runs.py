@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import read_summary, report_markdown, run_description
-from qad_pipeline.results import BaselineMetrics, ExportMetrics, SelectionResult, dump_result, read_result
+from qad_pipeline.results import (
+    BaselineMetrics,
+    ExportMetrics,
+    SelectionResult,
+    TrackingRecord,
+    dump_result,
+    read_result,
+    write_result,
+)
 from qad_pipeline.stages import STAGES
 from qad_pipeline.tracking.children import (
     REASON_FILE,
@@ -21,11 +29,13 @@ from qad_pipeline.tracking.children import (
     read_children,
     result_file,
 )
+from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs
 from qad_pipeline.tracking.metrics import metric_key
 from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
 from qad_pipeline.tracking.store import (
+    COMPLETE,
     FLOW_RUN_ID,
     GIT_COMMIT,
     KIND,
@@ -34,6 +44,7 @@ from qad_pipeline.tracking.store import (
     PARENT,
     RECIPE,
     STAGE,
+    STALE,
     artifact_location,
     client_for,
     ensure_experiment,
@@ -144,8 +155,25 @@ def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, chil
     except BaseException:
         _end_quietly(client, run_id, "FAILED")
         raise
+    client.set_tag(run_id, COMPLETE, "true")
     client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
     return run_id
+
+
+def log_children(client: MlflowClient, parent: Any, children: list[ChildRun]) -> dict[str, str]:
+    """Log each child under `parent` once: a child an earlier, cut-short logging already logged
+    whole (tag `qad.complete`) is kept; one it left half-logged is deleted and logged again."""
+    before = {r.info.run_name: r for r in child_runs(client, parent)}
+    ids = {}
+    for child in children:
+        prior = before.get(child.name)
+        if prior is not None and prior.data.tags.get(COMPLETE) == "true":
+            ids[child.name] = prior.info.run_id
+            continue
+        if prior is not None:
+            client.delete_run(prior.info.run_id)
+        ids[child.name] = log_child(client, parent.info.experiment_id, parent.info.run_id, child)
+    return ids
 
 
 def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str, float]:
@@ -208,26 +236,26 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
                  status: str | None = None) -> str:
     """Log one pipeline run from its files; returns the parent run's id.
 
-    Creates the parent run (or completes `run_id` from `start_pipeline_run`), one child per stage
-    and recipe whose files exist (see `read_children`), logs the datasets, the selection, the
-    report text and headline metrics on the parent and ends it with `status` (default: judged
-    from the files by `pipeline_status`). Runs left RUNNING by a killed earlier logger of this
-    host are marked first (`mark_stale_runs`).
+    Creates the parent run (or completes `run_id`: one from `start_pipeline_run`, or one an
+    earlier logging left incomplete), one child per stage and recipe whose files exist (see
+    `read_children`; children already logged whole are not logged again), logs the datasets, the
+    selection, the report text and headline metrics on the parent and ends it with `status`
+    (default: judged from the files by `pipeline_status`). Runs left RUNNING by a killed earlier
+    logger of this host are marked first (`mark_stale_runs`).
     """
     from mlflow.utils.validation import MAX_TAG_VAL_LENGTH
 
     uri = uri or tracking_uri(layout.root)
     client = client_for(uri)
-    mark_stale_runs(uri)
+    mark_stale_runs(uri, keep=(run_id,) if run_id else ())
     children = read_children(layout, params)
     if run_id is None:
         first = min((c.start_ms for c in children), default=None)
         run_id = start_pipeline_run(layout, params, flow_run_id=flow_run_id, git_commit=git_commit, uri=uri,
                                     start_ms=first)
     parent = client.get_run(run_id)
-    exp_id = parent.info.experiment_id
     try:
-        child_ids = {c.name: log_child(client, exp_id, run_id, c) for c in children}
+        child_ids = log_children(client, parent, children)
         by_stage = {c.stage: c for c in children}
         log_inputs(client, run_id, by_stage["calibration"].datasets if "calibration" in by_stage else [])
 
@@ -252,8 +280,30 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
         _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
+        if STALE in parent.data.tags:  # ended by mark_stale_runs while its logging was cut short: complete now
+            client.delete_tag(run_id, STALE)
     except BaseException:
         _end_quietly(client, run_id, "FAILED")
         raise
     client.set_terminated(run_id, status or derived_status, end_time=end_ms)
     return run_id
+
+
+def record_run(layout: Layout, uri: str, run_id: str, *, logged: bool, model_version: str | None = None) -> None:
+    """Write which run holds this out-root's pipeline run (`Layout.tracking_record`)."""
+    write_result(layout.tracking_record, TrackingRecord(uri=redact_text(uri), run_id=run_id, logged=logged,
+                                                        model_version=model_version))
+
+
+def recorded_run(layout: Layout, uri: str) -> TrackingRecord | None:
+    """The recorded run of this out-root in the store `uri`, if it is recorded and still there."""
+    from mlflow.exceptions import MlflowException
+
+    record = read_result(layout.tracking_record, TrackingRecord, missing_ok=True)
+    if record is None or record.uri != redact_text(uri):
+        return None
+    try:
+        run = client_for(uri).get_run(record.run_id)
+    except MlflowException:
+        return None
+    return record if run.info.lifecycle_stage == "active" else None

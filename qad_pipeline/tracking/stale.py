@@ -13,6 +13,7 @@ from qad_pipeline.tracking.store import (
     KIND,
     PID,
     PID_STARTED,
+    STALE,
     client_for,
 )
 
@@ -62,13 +63,15 @@ def _pipeline_experiment_ids(client: MlflowClient) -> list[str]:
             return ids
 
 
-def mark_stale_runs(uri: str, *, all_hosts: bool = False, status: str = "KILLED") -> list[str]:
+def mark_stale_runs(uri: str, *, all_hosts: bool = False, status: str = "KILLED",
+                    keep: tuple[str, ...] = ()) -> list[str]:
     """Mark runs left RUNNING by a killed pipeline logger as ended; returns their ids.
 
     A run of this package (tag `qad.kind`) is stale when the process that created it (tags
     `qad.host`, `qad.pid`, `qad.pid_started`) no longer runs on this host. Runs of other hosts
     are left alone unless `all_hosts` (use it when no other pipeline can be running). They end
-    with `status` (KILLED by default) and a tag `qad.stale` that says why.
+    with `status` (KILLED by default) and a tag `qad.stale` that says why. The runs in `keep` are
+    left alone (a run that `log_pipeline` is about to complete).
     """
     client = client_for(uri)
     ids = _pipeline_experiment_ids(client)
@@ -78,7 +81,7 @@ def mark_stale_runs(uri: str, *, all_hosts: bool = False, status: str = "KILLED"
     marked = []
     for run in client.search_runs(ids, filter_string="attributes.status = 'RUNNING'", max_results=5000):
         tags = run.data.tags
-        if KIND not in tags:
+        if KIND not in tags or run.info.run_id in keep:
             continue
         pid = int(tags[PID]) if tags.get(PID, "").isdigit() else None
         if tags.get(HOST) == host:
@@ -87,7 +90,7 @@ def mark_stale_runs(uri: str, *, all_hosts: bool = False, status: str = "KILLED"
         elif not all_hosts:
             continue
         why = f"left RUNNING by process {pid} on {tags.get(HOST)}, which no longer runs; marked {status}"
-        client.set_tag(run.info.run_id, "qad.stale", why)
+        client.set_tag(run.info.run_id, STALE, why)
         client.set_terminated(run.info.run_id, status)
         marked.append(run.info.run_id)
     return marked

@@ -38,6 +38,8 @@ PARENT = "mlflow.parentRunId"
 GIT_COMMIT = "mlflow.source.git.commit"
 NOTE = "mlflow.note.content"
 FLOW_RUN_ID = "prefect.flow_run_id"
+COMPLETE = "qad.complete"  # set last on a child run: everything it holds is logged
+STALE = "qad.stale"  # why mark_stale_runs ended a run
 
 
 def git_commit() -> str | None:
@@ -88,7 +90,7 @@ def _check_db_driver(uri: str, shown: str) -> None:
         ) from None
 
 
-def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
+def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     """Fail fast, with one `ConfigError` naming the URI, when the tracking store cannot be reached.
 
     http(s): the server must answer MLflow's REST API (`GET /api/2.0/mlflow/experiments/search`) with
