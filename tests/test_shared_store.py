@@ -17,7 +17,7 @@ from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT
 from tests.conftest import GOOD_RECIPES, TINY
 from tests.devstack import LocalMLflow, LocalPrefect
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # ~8 min: `python -m pytest -q -m long tests/test_shared_store.py`
 
 RECIPE = GOOD_RECIPES[0]
 ARTIFACT_KINDS = ("recipe-table", "qad-pipeline-report", "mlflow-run")
