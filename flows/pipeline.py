@@ -52,7 +52,7 @@ from qad_pipeline.preflight import preflight
 from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
 from qad_pipeline.results import ExportMetrics, QADMetrics, SelectionResult, dump_result, read_result
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
-from qad_pipeline.stages import STAGES, Stage, fill
+from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
 
 __all__ = ["StageFailed", "qad_pipeline"]
 
@@ -121,10 +121,11 @@ def outputs_present(stage: Stage, layout: Layout, recipe: str | None) -> bool:
 def run_stage(stage: str, recipe: str | None, job: Job) -> float:
     """One stage: a process here (`qad-pipeline stage ...`), or a flow run on a GPU deployment's pool."""
     declared = STAGES[stage]
-    if declared.per_recipe and job.recipe_deployment:
+    if declared.name == "ptq" and job.recipe_deployment:
         return run_on_pool(job.recipe_deployment, declared.run_name(recipe), {"recipe": recipe}, job)
-    if declared.gpu and not declared.per_recipe and job.stage_deployment:
-        return run_on_pool(job.stage_deployment, stage, {"stage": stage}, job)
+    if declared.gpu and job.stage_deployment and (declared.name != "ptq" or not job.recipe_deployment):
+        return run_on_pool(job.stage_deployment, declared.run_name(recipe),
+                           {"stage": stage, **({"item": recipe} if recipe else {})}, job)
     if not declared.per_recipe:
         return run_stage_process([stage], job.params_file, job.overrides, job.layout)
     with _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)):
@@ -244,10 +245,7 @@ def qad_pipeline(
             track(layout, params, f"FAILED: {err}", parent_run, None, status="FAILED")
             raise
         except BaseException as err:  # SIGTERM or a Prefect cancel (TerminationSignal), Ctrl-C
-            cancelled = cancel_pool_runs(f"the qad-pipeline run that started it was stopped ({type(err).__name__})")
-            stopped = processes.stop_all()
-            get_run_logger().warning("stopped (%s): %d stage process(es) stopped, %d flow run(s) on pools cancelled",
-                                     type(err).__name__, len(stopped), cancelled)
+            stop_everything(err)
             track(layout, params, f"KILLED: stopped ({type(err).__name__})", parent_run, None, status="KILLED")
             raise
         summary["plots"] = [str(p) for p in write_plots(layout, params.ptq.recipes)]
@@ -273,7 +271,8 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     baseline = submit(job, "baseline", after=[calibration])
     seconds["baseline"] = baseline.result()  # no baseline, no recovery: a failed baseline fails the flow
     recipes = {name: submit(job, "ptq", name, after=[calibration, baseline]) for name in params.ptq.recipes}
-    wait(list(recipes.values()))
+    sweep = [submit_sweep(job, params, calibration, baseline, recipes)] if with_sweep(params) else []
+    wait(list(recipes.values()) + sweep)
     seconds.update({STAGES["ptq"].summary_key(n): f.result() for n, f in recipes.items() if f.state.is_completed()})
     seconds["baseline+ptq (wall)"] = time.time() - started
     failed = [name for name, fut in recipes.items() if not fut.state.is_completed()]
@@ -285,8 +284,11 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     if baseline.state.name == "Cached":
         logger.info("baseline taken from cache (inputs unchanged)")
     ran = [("calibration", None), ("baseline", None), *(("ptq", n) for n in recipes if n not in failed)]
+    ran += sweep_ran(params, layout) if sweep else []
 
-    selection = submit(job, "selection", after=[baseline, *map(allow_failure, recipes.values())])
+    if sweep and not sweep[0].state.is_completed():
+        logger.warning("the BPE sweep failed; selecting among the recipes only")
+    selection = submit(job, "selection", after=[baseline, *map(allow_failure, [*recipes.values(), *sweep])])
     seconds["selection"] = selection.result()
     ran.append(("selection", None))
     chosen = read_result(layout.selection_metrics, SelectionResult)
@@ -305,6 +307,31 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
         summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
     publish_report(params, summary)
     return summary, ran
+
+
+def submit_sweep(job: Job, params, calibration: PrefectFuture, baseline: PrefectFuture,
+                 recipes: dict[str, PrefectFuture]) -> PrefectFuture:
+    """The BPE sweep's stages: one search, then every budget (in the recipes' slots), then the
+    curve and knee once they and the fixed recipes are done; its future is the knee's."""
+    search = submit(job, "sweep_search", after=[calibration])
+    points = [submit(job, "sweep", b, after=[calibration, baseline, search]) for b in params.sweep.points]
+    return submit(job, "bpe_sweep", after=[baseline, *map(allow_failure, [*recipes.values(), *points])])
+
+
+def sweep_ran(params, layout: Layout) -> list[tuple[str, str | None]]:
+    """The sweep's (stage, item) pairs whose results are on disk."""
+    ran = [("sweep_search", None)] if (layout.sweep_search / "search.json").is_file() else []
+    ran += [("sweep", b) for b in params.sweep.points if (layout.sweep(b) / "scores.json").is_file()]
+    return ran + ([("bpe_sweep", None)] if layout.bpe_sweep_metrics.is_file() else [])
+
+
+def stop_everything(err: BaseException) -> None:
+    """A stopped run (SIGTERM, a Prefect cancel, Ctrl-C): cancel its flow runs on pools, stop its
+    stage processes."""
+    cancelled = cancel_pool_runs(f"the run that started it was stopped ({type(err).__name__})")
+    stopped = processes.stop_all()
+    get_run_logger().warning("stopped (%s): %d stage process(es) stopped, %d flow run(s) on pools cancelled",
+                             type(err).__name__, len(stopped), cancelled)
 
 
 @contextmanager

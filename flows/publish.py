@@ -65,3 +65,13 @@ def link_tracking(layout: Layout, params, run_id: str) -> None:
                              description=f"This flow run's MLflow run in {shown}{ui}")
     except Exception as err:  # noqa: BLE001  (a missing link must never cost the pipeline its results)
         get_run_logger().warning("could not link the flow run to MLflow run %s (%s)", run_id, err)
+
+
+def publish_sweep_table(params, sweep: dict) -> None:
+    """The BPE sweep's table (`report.sweep_rows`), the knee's reason as its description."""
+    from qad_pipeline.report import sweep_rows
+
+    rows = [{k: "" if v is None else v for k, v in r.items()} for r in sweep_rows(sweep)]
+    knee = sweep["knee"]
+    create_table_artifact(key=artifact_key("bpe-sweep", params), table=rows,
+                          description=f"Knee: {knee['name'] or 'none'}. {knee['reason']}")

@@ -83,36 +83,26 @@ def _fail(err: Exception) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def run(
-    params_file: ParamsOpt = DEFAULT_PARAMS,
-    overrides: SetOpt = None,
-    base_model: BaseOpt = None,
-    out_root: RootOpt = None,
-) -> None:
-    """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
-    out_root = output_root(out_root, params_file)
-    try:
-        params = resolve_params(params_file, overrides, base_model)
-        preflight(params, out_root)
-    except ConfigError as err:
-        _fail(err)
+def _start_flow(flow_name: str, params_file: Path, overrides: list[str] | None, out_root: Path,
+                base_model: str | None) -> dict:
+    """Run one of the project's Prefect flows here (`qad-pipeline` or `bpe-sweep`), with the CLI's
+    handling of a failed stage, a held lock and a stop (every stage process stopped, exit 128+signal)."""
     # A local run talks to Prefect's temporary server unless PREFECT_API_URL names one; offline,
     # analytics must be off, and on a busy machine the server may need more than 20 s to start.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
-    from qad_pipeline.report import report_text
-
-    from qad_pipeline.runlock import LockHeld
-
     from prefect.exceptions import TerminationSignal
 
+    from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
+    from qad_pipeline.flows.sweep import bpe_sweep
+    from qad_pipeline.runlock import LockHeld
+
+    flow = {"qad-pipeline": qad_pipeline, "bpe-sweep": bpe_sweep}[flow_name]
     processes.start_watchdog()  # a `kill -9` of this run stops what it started too (Prefect's temporary server)
     processes.raise_on_signals()  # Prefect passes a SIGTERM on to this handler once the flow has stopped
     try:
-        summary = qad_pipeline(params_file=str(params_file), overrides=list(overrides or []), out_root=str(out_root),
-                               base_model=base_model)
+        return flow(params_file=str(params_file), overrides=list(overrides or []), out_root=str(out_root),
+                    base_model=base_model)
     except (StageFailed, LockHeld) as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None
@@ -121,6 +111,34 @@ def run(
         typer.echo(f"error: stopped by {signal.Signals(sig).name}; every stage process was stopped and nothing "
                    "half-written is left: the same command resumes", err=True)
         raise typer.Exit(128 + sig) from None
+
+
+def _checked(params_file: Path, overrides: list[str] | None, base_model: str | None, out_root: Path | None,
+             sweep: bool = False) -> Path:
+    """The out-root, once the preflight has read every input (a refusal: one line, exit 2)."""
+    out_root = output_root(out_root, params_file)
+    try:
+        params = resolve_params(params_file, overrides, base_model)
+        if sweep and not params.sweep.budgets:
+            raise ConfigError("sweep.budgets is empty: list the budgets to sweep, e.g. --set 'sweep.budgets=[4.5, 5.0]'")
+        preflight(params, out_root, sweep=sweep)
+    except ConfigError as err:
+        _fail(err)
+    return out_root
+
+
+@app.command()
+def run(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = None,
+) -> None:
+    """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
+    from qad_pipeline.report import report_text
+
+    out_root = _checked(params_file, overrides, base_model, out_root)
+    summary = _start_flow("qad-pipeline", params_file, overrides, out_root, base_model)
     typer.echo(report_text(summary))
     tracked = summary.get("mlflow", {})
     if "run_id" in tracked:
@@ -132,9 +150,27 @@ def run(
 
 
 @app.command()
+def sweep(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
+    overrides: SetOpt = None,
+    base_model: BaseOpt = None,
+    out_root: RootOpt = None,
+) -> None:
+    """Run the BPE sweep (the `bpe-sweep` Prefect flow) locally: sweep.recipe at every budget in
+    sweep.budgets, the fixed recipes on the same curve, the knee; print the table and the knee."""
+    from qad_pipeline.report import sweep_text
+
+    out_root = _checked(params_file, overrides, base_model, out_root, sweep=True)
+    summary = _start_flow("bpe-sweep", params_file, overrides, out_root, base_model)
+    typer.echo(sweep_text(summary["sweep"]))
+    if summary.get("mlflow", {}).get("run_id"):
+        typer.echo(f"MLflow: run {summary['mlflow']['run_id']} in {summary['mlflow']['uri']}")
+
+
+@app.command()
 def stage(
     name: Annotated[Stage, typer.Argument(help="stage to run")],
-    recipe: Annotated[str | None, typer.Argument(help="recipe name (ptq only)")] = None,
+    recipe: Annotated[str | None, typer.Argument(help="recipe name (ptq) or budget (sweep, e.g. 5.0)")] = None,
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
@@ -143,14 +179,16 @@ def stage(
     """Run one stage by itself; the flow's tasks and `dvc repro` call exactly this."""
     try:
         params = resolve_params(params_file, overrides, base_model)
-        if STAGES[name.value].per_recipe:
+        declared = STAGES[name.value]
+        if declared.per_recipe:
+            what = "recipe name" if declared.foreach == "ptq.recipes" else "budget"
             if recipe is None:
-                raise ConfigError(f"stage {name.value} needs a recipe name: one of {params.ptq.recipes}")
-            if recipe not in params.ptq.recipes:
-                raise ConfigError(f"unknown recipe {recipe!r}: ptq.recipes lists {params.ptq.recipes}")
+                raise ConfigError(f"stage {name.value} needs a {what}: one of {declared.items(params)}")
+            if recipe not in declared.items(params):
+                raise ConfigError(f"unknown {what} {recipe!r}: {declared.foreach} lists {declared.items(params)}")
         if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
-                      serving=name.value == "export")
+                      serving=name.value == "export", sweep=declared.sweep)
     except ConfigError as err:
         _fail(err)
 

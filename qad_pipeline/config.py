@@ -126,6 +126,7 @@ class SelectionParams(_Section):
     policy: Literal["qad", "ptq_final"]
     band: tuple[float, float]
     ptq_final_min: float = Field(gt=0, le=1)
+    sweep: Literal["none", "knee", "all"] = "none"
 
     @field_validator("band")
     @classmethod
@@ -133,6 +134,39 @@ class SelectionParams(_Section):
         if not 0 < band[0] <= band[1] <= 1:
             raise ValueError(f"band must be [low, high] with 0 < low <= high <= 1, got {list(band)}")
         return band
+
+
+class SweepParams(_Section):
+    """The BPE sweep: one AutoQuantize recipe run at each budget (tasks/sweep.py), the knee chosen
+    where more bits stop buying recovery (tasks/bpe_sweep.py)."""
+
+    recipe: str
+    budgets: list[float]
+    knee_epsilon: float = Field(gt=0)
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _decimal_budgets(cls, budgets: Any) -> Any:
+        # a budget names its DVC stage (sweep@5.0) and folder: one spelling, with a decimal point
+        for b in budgets if isinstance(budgets, list) else []:
+            if not isinstance(b, float):
+                raise ValueError(f"budget {b!r} must be written as a decimal number of bits, e.g. 5.0")
+        if isinstance(budgets, list) and len(set(budgets)) != len(budgets):
+            raise ValueError(f"budgets listed twice: {sorted(b for b in set(budgets) if budgets.count(b) > 1)}")
+        return budgets
+
+    @property
+    def points(self) -> list[str]:
+        """The budgets as their stage item names (`5.0`), as DVC's foreach names them."""
+        return [budget_name(b) for b in self.budgets]
+
+    def point(self, budget: str) -> str:
+        """A sweep point's name as a selection candidate and in its scores: `<recipe>@<budget>`."""
+        return f"{self.recipe}@{budget}"
+
+
+def budget_name(budget: float) -> str:
+    return str(float(budget))
 
 
 class QADParams(_Section):
@@ -165,6 +199,7 @@ class Params(_Section):
     ptq: PTQParams
     eval: EvalParams
     selection: SelectionParams
+    sweep: SweepParams
     qad: QADParams
     export: ExportParams
 
@@ -282,11 +317,12 @@ def check_no_secrets(data: dict, source: str) -> None:
                               "environment (HF_TOKEN, AWS_*, MLFLOW_TRACKING_PASSWORD, ...), never in a parameter")
 
 
-def check_recipes(params: Params, root: Path | None = None) -> None:
-    """Every named recipe has its file: an unknown name fails listing the ones that exist."""
+def check_recipes(params: Params, root: Path | None = None, sweep: bool = False) -> None:
+    """Every named recipe has its file (with `sweep`, the sweep's too): an unknown name fails
+    listing the ones that exist."""
     recipe_dir = resolve(params.ptq.recipe_dir, root)
     available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))
-    for name in params.ptq.recipes:
+    for name in [*params.ptq.recipes, *([params.sweep.recipe] if sweep else [])]:
         if not (recipe_dir / f"{name}.yaml").is_file():
             raise ConfigError(
                 f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"

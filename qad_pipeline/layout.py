@@ -36,6 +36,34 @@ class Layout:
     def ptq(self, recipe: str) -> Path:
         return self.root / "artifacts" / "ptq" / recipe
 
+    @property
+    def sweep_search(self) -> Path:
+        """The BPE sweep's one AutoQuantize search: Model Optimizer's state (`state.pt`), `search.json`."""
+        return self.root / "artifacts" / "sweep_search"
+
+    def sweep(self, budget: str) -> Path:
+        """One sweep point, as a PTQ recipe's folder: `checkpoint/`, `scores.json`, `items.json`."""
+        return self.root / "artifacts" / "sweep" / budget
+
+    def candidate(self, name: str) -> Path:
+        """A selection candidate's PTQ folder: a recipe's, or a sweep point's (`<recipe>@<budget>`)."""
+        return self.sweep(name.rpartition("@")[2]) if "@" in name else self.ptq(name)
+
+    @property
+    def bpe_sweep(self) -> Path:
+        """The sweep's Pareto plot."""
+        return self.root / "artifacts" / "bpe_sweep"
+
+    @property
+    def bpe_sweep_metrics(self) -> Path:
+        """The sweep's points, the knee and its reason."""
+        return self.metrics / "bpe_sweep.json"
+
+    @property
+    def bpe_curve(self) -> Path:
+        """The sweep's points as DVC's plot data."""
+        return self.metrics / "bpe_curve.json"
+
     def items(self, stage: str, recipe: str | None = None) -> Path:
         """A scored model's per-item values (for the recovery's confidence interval)."""
         folder = {"baseline": self.baseline, "ptq": self.ptq(recipe) if recipe else None,

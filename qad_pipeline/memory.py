@@ -111,9 +111,10 @@ def capacity(hardware: HardwareParams) -> Capacity:
     return Capacity(device, int(host * HEADROOM), tuple(int(g * HEADROOM) for g in gpus))
 
 
-def stages(params: Params) -> list[str]:
-    """The stage processes a run starts, in order (`ptq/<recipe>` for each recipe)."""
-    return [stage.summary_key(recipe) for stage, recipe in planned(params)]
+def stages(params: Params, sweep_only: bool = False) -> list[str]:
+    """The stage processes a run starts, in order (`ptq/<recipe>` for each recipe, `sweep/<budget>`
+    for each budget); `sweep_only`: the BPE sweep's flow."""
+    return [stage.summary_key(recipe) for stage, recipe in planned(params, sweep_only)]
 
 
 # -- from phases to estimates ---------------------------------------------------------------------
@@ -136,7 +137,7 @@ def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[di
 
 def estimate(stage: str, params: Params, cap: Capacity, shape: ModelShape | None = None) -> StageEstimate:
     """One stage process's peak host and per-GPU bytes (the max over its phases)."""
-    if stage in ("calibration", "selection"):
+    if stage in ("calibration", "selection", "bpe_sweep"):
         base = LIGHT_PROCESS_BASE if stage == "calibration" else SELECTION_PROCESS
         return StageEstimate(stage, base, 0, 1, "cpu", "no model", {"process": base}, host_bytes_other=base)
     shape = shape or model_shape(params.base_model)
@@ -263,15 +264,15 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
             f"{largest} {_gib(est.terms[largest])} in its {est.phase} phase); use {where}")
 
 
-def plan(params: Params, cap: Capacity | None = None) -> list[StageEstimate]:
+def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
     """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit."""
     cap = cap or capacity(params.hardware)
     recipes_at_once = recipe_parallelism(params, cap)
     shape = model_shape(params.base_model)
     out = []
-    for stage in stages(params):
+    for stage in stages(params, sweep_only):
         est = estimate(stage, params, cap, shape)
-        est.max_parallel = recipes_at_once if stage.startswith("ptq/") else params.qad.num_gpus if stage == "qad" else 1
+        est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
         why = _why_not(est, cap, params)
         if why is not None:
             est.fits, est.advice = False, advice(est, params, cap, why)

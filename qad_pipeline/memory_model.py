@@ -150,7 +150,12 @@ class Phase:
 
 
 def static_block_scales(recipe_path: Path) -> bool:
-    """The recipe calibrates NVFP4 block scales statically (MSE, four-over-six), not by max."""
+    """The recipe calibrates NVFP4 block scales statically (MSE, four-over-six), not by max (an
+    AutoQuantize recipe: one of its candidate formats does)."""
+    from qad_pipeline import autoquant
+
+    if autoquant.is_auto_quantize(recipe_path):
+        return any(autoquant.format_algorithm(f) != "max" for f in autoquant.load_recipe(recipe_path).formats)
     algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
     return (algorithm.get("method") if isinstance(algorithm, dict) else algorithm) not in (None, "max")
 
@@ -294,5 +299,7 @@ def stage_phases(stage: str, params: Params, shape: ModelShape, device: str) -> 
     name, _, recipe = stage.partition("/")
     if name == "ptq":
         return ptq_phases(params, shape, device, recipe)
+    if name in ("sweep_search", "sweep"):  # the sweep's AutoQuantize recipe, searched or at one budget
+        return ptq_phases(params, shape, device, params.sweep.recipe)
     return {"baseline": baseline_phases, "qad": qad_phases, "final_eval": final_eval_phases,
             "export": export_phases}[name](params, shape, device)

@@ -152,3 +152,29 @@ def write_plots(layout: Layout, recipes: list[str]) -> list[Path]:
     made = [recovery_vs_bpe(layout, recipes, folder / "recovery_vs_bpe.png"),
             qad_loss_curve(layout, folder / "qad_loss.png")]
     return [p for p in made if p is not None]
+
+
+def bpe_sweep_plot(sweep, out: Path) -> Path:
+    """The BPE sweep's Pareto plot: median recovery (with its interval) against whole-model bits per
+    element, the sweep's points joined in budget order and labelled with their budget, the knee a
+    star, the fixed recipes as numbered squares on the same axes, named in the legend
+    (`results.BPESweep`)."""
+    plt, fig, ax = _figure((7, 4.5))
+    ranked = sorted(sweep.points, key=lambda p: p.effective_bpe)
+    if ranked:
+        ax.plot([p.effective_bpe for p in ranked], [100 * p.median_recovery for p in ranked], color="tab:blue",
+                alpha=0.5, zorder=1)
+    for i, p in enumerate([*ranked, *sweep.fixed]):
+        y, (low, high) = 100 * p.median_recovery, p.median_recovery_ci
+        knee, fixed = p.name == sweep.knee.name, p.kind == "fixed"
+        number = i - len(ranked) + 1
+        ax.errorbar([p.effective_bpe], [y], yerr=[[y - 100 * low], [100 * high - y]],
+                    fmt="s" if fixed else "*" if knee else "o", ms=15 if knee else 6, capsize=3,
+                    color="tab:gray" if fixed else "tab:blue", mec="black" if knee else None, zorder=3 if knee else 2,
+                    label=f"R{number}: {p.name}" if fixed else f"knee: {p.budget:g} bits" if knee else None)
+        label = f"R{number}" if fixed else f"{p.budget:g} b"
+        ax.annotate(label, (p.effective_bpe, y), xytext=(6, -10 if fixed else 3), textcoords="offset points",
+                    fontsize=7, color="dimgray" if fixed else "black")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
+    return _save(plt, fig, ax, out, "effective bits per element (whole model)", "median recovery vs BF16 (%)",
+                 f"BPE sweep of {sweep.recipe}: budget (b, searched bits) -> recovery")

@@ -41,25 +41,30 @@ def _quiet_libraries():
             datasets.enable_progress_bars()
 
 
-def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True) -> None:
+def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True,
+              sweep: bool = False) -> None:
     """Every check that needs no model weights, before any stage process starts; a failure is one
     `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
     recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
     and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
     memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
     (exists, decodes, yields the samples asked for), and (with `serving`) that the serving check's
-    vLLM environment exists when the export will run it. Value ranges across keys are checked when params.yaml is
-    loaded."""
+    vLLM environment exists when the export will run it. The BPE sweep's recipe and every budget
+    against what its formats allow, when the run sweeps (`sweep`: the sweep's flow or one of its
+    stages; a pipeline run with `selection.sweep` set). Value ranges across keys are checked when
+    params.yaml is loaded."""
+    from qad_pipeline import autoquant
     from qad_pipeline import tracking as mlflow_tracking
     from qad_pipeline.memory import check_fits, plan
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
     from qad_pipeline.tasks.calibration import check_calibration
     from qad_pipeline.tasks.evaluate import check_tasks
+    from qad_pipeline.stages import with_sweep
     from qad_pipeline.tasks.ptq import check_recipe
 
     if tracking:
         mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
-    check_recipes(params)
+    check_recipes(params, sweep=sweep or with_sweep(params))
     with _quiet_libraries():
         check_base_model(
             params.base_model,
@@ -72,12 +77,14 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
             found = secret_in(path.read_text(errors="replace"))
             if found:
                 raise ConfigError(f"{path} holds {found}: a recipe is logged to MLflow and Prefect; remove it")
-            check_recipe(path)
+            check_recipe(path, params.base_model)
+        if sweep or with_sweep(params):
+            autoquant.check_recipe(params.recipe_path(params.sweep.recipe), params.sweep.budgets, params.base_model)
         if memory:
-            check_fits(plan(params))  # the memory plan: refuses a setting that cannot fit, naming the knob
+            check_fits(plan(params, sweep_only=sweep))  # the memory plan: refuses a setting that cannot fit, naming the knob
         check_model_files(params.base_model)
         check_calibration(params, load_tokenizer(params.base_model))
-    if serving and params.selection.policy == "qad" and params.export.serving_check != "skip":
+    if serving and not sweep and params.selection.policy == "qad" and params.export.serving_check != "skip":
         from qad_pipeline.serving import vllm_python
 
         vllm_python()  # the export's serving check needs it: say so now, not after QAD

@@ -287,3 +287,35 @@ def run_description(summary: RunSummary | Mapping[str, Any], *, reason_file: str
         out += [f"**Runner-up:** {sel.runner_up}", ""]
     full = _join([*out, "**Recipes**", "", *markdown_table(summary.recipes), *_failures(summary.recipes)])
     return (full if len(full) < max_chars else _join([*out, "The recipe table is in `report.md`."])[:max_chars]) + "\n"
+
+
+# -- the BPE sweep -------------------------------------------------------------------------------
+
+
+def sweep_rows(sweep: dict) -> list[dict]:
+    """The sweep's table (`results.BPESweep` as a dict): one row per point by budget, then the
+    fixed recipes on the same axes; the knee marked."""
+    knee = (sweep.get("knee") or {}).get("name")
+    rows = []
+    for p in [*sweep.get("points", []), *sweep.get("fixed", [])]:
+        low, high = p["median_recovery_ci"]
+        rows.append({
+            "point": p["name"], "budget": p.get("budget") if p.get("budget") is not None else "fixed",
+            "searched bits": _round(p.get("searched_effective_bits"), 3), "bits/element": _round(p["effective_bpe"], 3),
+            "median rec. %": _pct(p["median_recovery"]), "interval %": f"{100 * low:.2f}-{100 * high:.2f}",
+            "KL": _round(p["kl_divergence"], 4),
+            "formats": ", ".join(f"{k.removesuffix('_CFG')} {v}" for k, v in sorted(p.get("layers_by_format", {}).items())),
+            "": "★ knee" if p["name"] == knee else "",
+        })
+    return rows
+
+
+def sweep_text(sweep: dict) -> str:
+    knee = sweep.get("knee") or {}
+    lines = [f"BPE sweep of {sweep.get('recipe')}", "", *text_table(sweep_rows(sweep)), "",
+             f"Knee: {knee.get('name') or 'none'}. {knee.get('reason', '')}",
+             f"Eval noise (widest half interval): {100 * sweep.get('noise', 0):.2f} points; curve monotone within it: "
+             f"{'yes' if sweep.get('monotone_within_noise') else 'no'}."]
+    if sweep.get("failed"):
+        lines.append(f"Failed points: {', '.join(sweep['failed'])}.")
+    return "\n".join(lines)

@@ -100,6 +100,25 @@ class RecipeSettings(_Strict):
     kv_cache: str
 
 
+class AutoQuantizeLayer(_Strict):
+    format: str  # the chosen candidate, "none" for BF16
+    modules: list[str]  # the modules that share the choice (Model Optimizer groups e.g. fused projections)
+    scores: dict[str, float]  # each candidate's sensitivity score (higher: more sensitive)
+    costs: dict[str, float]  # each candidate's cost (Model Optimizer's weight bits / 16)
+
+
+class AutoQuantizeResult(_Strict):  # an AutoQuantize recipe's search (tasks/ptq.py: auto_quantize_model)
+    budget: float  # the effective-bits budget asked for
+    searched_effective_bits: float  # Model Optimizer's count of the solution, over the searched layers
+    minimum_bits: float  # the smallest budget the formats allow on this model (Model Optimizer's count)
+    method: str
+    formats: list[str]
+    kv_cache: str | None
+    layers: dict[str, AutoQuantizeLayer]
+    reused_search: bool  # calibration and scores taken from the sweep's search state
+    search_s: float
+
+
 class PTQScores(_Strict):  # artifacts/ptq/<r>/scores.json of a recipe that ran (tasks/ptq.py: run_ptq)
     recipe: str
     status: Literal["ok"]
@@ -119,6 +138,18 @@ class PTQScores(_Strict):  # artifacts/ptq/<r>/scores.json of a recipe that ran 
     finished_at: float
     peak_rss_mb: float
     peak_device_mb: float | None
+    auto_quantize: AutoQuantizeResult | None = None  # an AutoQuantize recipe's layer map and bit counts
+
+
+class SweepSearch(_Strict):  # artifacts/sweep_search/search.json (tasks/sweep_search.py)
+    recipe: str
+    method: str
+    formats: list[str]
+    budget: float  # the recipe's own budget, which the search solved for first
+    searched_effective_bits: float
+    minimum_bits: float
+    layers: dict[str, AutoQuantizeLayer]
+    seconds: float
 
 
 class PTQAlias(_Strict):  # scores.json of a recipe the same as an earlier one on this model: not run
@@ -191,6 +222,43 @@ class RecoveryPoint(_Strict):
 
 class RecoveryTable(RootModel[list[RecoveryPoint]]):
     """metrics/recovery.json, DVC's recovery plot: one point per recipe that ran."""
+
+
+class SweepPoint(_Strict):
+    """One point of the BPE curve: a sweep budget, or a fixed recipe placed on the same axes."""
+
+    name: str  # `<recipe>@<budget>` for a sweep point, the recipe's name for a fixed one
+    kind: Literal["sweep", "fixed"]
+    budget: float | None  # Model Optimizer's budget (a sweep point)
+    searched_effective_bits: float | None  # Model Optimizer's count over the searched layers (a sweep point)
+    effective_bpe: float  # the project's count over every weight
+    median_recovery: float
+    median_recovery_ci: tuple[float, float]
+    kl_divergence: float
+    layers_by_format: dict[str, int]  # layer groups with a choice, per chosen format (a sweep point)
+
+
+class Knee(_Strict):
+    name: str | None
+    budget: float | None
+    reason: str
+
+
+class BPESweep(_Strict):  # metrics/bpe_sweep.json (tasks/bpe_sweep.py)
+    recipe: str
+    points: list[SweepPoint]  # the sweep's, by budget
+    fixed: list[SweepPoint]  # the fixed recipes that ran, on the same axes
+    knee: Knee
+    knee_epsilon: float
+    noise: float  # the widest half confidence interval of a point's median recovery
+    monotone_within_noise: bool
+    failed: list[str]
+    search_s: float | None
+    seconds: dict[str, float]  # each point's quantize and eval time, and the sweep's total
+
+
+class BPECurve(RootModel[list[RecoveryPoint]]):
+    """metrics/bpe_curve.json, DVC's plot of the sweep: every point, sweep and fixed."""
 
 
 class LossPoint(_Strict):

@@ -58,12 +58,22 @@ class Stage:
     params: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[Output, ...]
-    per_recipe: bool = False
+    foreach: str | None = None  # a per-item stage: "ptq.recipes" (one per recipe) or "sweep.budgets" (per budget)
     gpu: bool = False  # a GPU-heavy stage: a flow run on the GPU pool when the flow has `stage_deployment`
     cached: bool = False  # taken from Prefect's cache when its inputs are unchanged
     after_selection: bool = False  # runs only with selection.policy qad, on the selected recipe
+    sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
+
+    @property
+    def per_recipe(self) -> bool:
+        """One process per item (a recipe, a budget): `{recipe}` in its paths is the item."""
+        return self.foreach is not None
+
+    def items(self, params: Params) -> list[str]:
+        """What a per-item stage runs over: recipe names, or the sweep's budgets as names (`5.0`)."""
+        return params.sweep.points if self.foreach == "sweep.budgets" else list(params.ptq.recipes)
 
     def run_name(self, recipe: str | None = None) -> str:
         """Its Prefect task run, stage process and log name: `ptq-<recipe>`, else the stage's name."""
@@ -111,6 +121,7 @@ def fill(template: str, recipe: str | None) -> str:
 
 EVAL_DATA = "${eval.task_dir}"
 MODEL = "${base_model.path}"
+SWEEP_RECIPE = "${ptq.recipe_dir}/${sweep.recipe}.yaml"
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("calibration", "qad_pipeline.tasks.calibration:main", after=(),
@@ -129,21 +140,47 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
           outputs=(Output("artifacts/ptq/{recipe}"),),
-          per_recipe=True, gpu=True, cached=True,
+          foreach="ptq.recipes", gpu=True, cached=True,
           fingerprints=("${ptq.recipe_dir}/{recipe}.yaml", "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json"),
           done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint")),
-    Stage("selection", "qad_pipeline.tasks.selection:main", after=("baseline", "ptq"),
-          params=("ptq.recipes", "selection"),
+    Stage("sweep_search", "qad_pipeline.tasks.sweep_search:main", after=("calibration",),
+          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe"),
+          inputs=(MODEL, SWEEP_RECIPE, "artifacts/calibration"),
+          outputs=(Output("artifacts/sweep_search", note="Model Optimizer's search state: calibrations and scores"),),
+          gpu=True, cached=True, sweep=True,
+          fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json"),
+          done=("artifacts/sweep_search/search.json", "artifacts/sweep_search/state.pt")),
+    Stage("sweep", "qad_pipeline.tasks.sweep:main", after=("calibration", "baseline", "sweep_search"),
+          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe", "eval"),
+          inputs=(MODEL, SWEEP_RECIPE, EVAL_DATA, "artifacts/calibration", "artifacts/baseline",
+                  "artifacts/sweep_search"),
+          outputs=(Output("artifacts/sweep/{recipe}"),),
+          foreach="sweep.budgets", gpu=True, cached=True, sweep=True,
+          fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json",
+                        "artifacts/baseline/reference/manifest.json", "artifacts/sweep_search/search.json"),
+          done=("artifacts/sweep/{recipe}/scores.json", "artifacts/sweep/{recipe}/checkpoint")),
+    Stage("bpe_sweep", "qad_pipeline.tasks.bpe_sweep:main", after=("baseline", "ptq", "sweep"),
+          params=("ptq.recipes", "sweep"),
+          inputs=("metrics/baseline.json", "artifacts/baseline/items.json", "artifacts/ptq", "artifacts/sweep"),
+          outputs=(Output("metrics/bpe_sweep.json", "metrics"),
+                   Output("metrics/bpe_curve.json", "plots", plot={
+                       "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
+                       "title": "BPE sweep: median recovery against whole-model bits per element"}),
+                   Output("artifacts/bpe_sweep", note="the Pareto plot")),
+          sweep=True),
+    Stage("selection", "qad_pipeline.tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
+          params=("ptq.recipes", "selection", "sweep"),
           inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
-                  "artifacts/baseline/items.json", "artifacts/ptq"),
+                  "artifacts/baseline/items.json", "artifacts/ptq", "metrics/bpe_sweep.json", "artifacts/sweep"),
           outputs=(Output("metrics/selection.json", "metrics"), Output("metrics/ptq", "metrics"),
                    Output("metrics/recovery.json", "plots", plot={
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
                        "title": "Median recovery against effective bits per element, per PTQ recipe"}))),
     Stage("qad", "qad_pipeline.tasks.qad:main", after=("selection",),
           params=("base_model", "calibration", "qad"),
-          inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/calibration"),
+          inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/sweep",
+                  "artifacts/calibration"),
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
@@ -164,14 +201,24 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
 GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and not s.per_recipe)
 
 
-def planned(params: Params) -> list[tuple[Stage, str | None]]:
-    """The stage processes a run starts, in order, one per recipe for a per-recipe stage; those
-    after selection only with `selection.policy: qad` (and only if a recipe is selected)."""
+def with_sweep(params: Params) -> bool:
+    """A pipeline run runs the BPE sweep too: selection takes its points as candidates."""
+    return params.selection.sweep != "none" and bool(params.sweep.budgets)
+
+
+def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str | None]]:
+    """The stage processes a run starts, in order, one per item for a per-item stage; those after
+    selection only with `selection.policy: qad` (and only if a recipe is selected); the sweep's
+    with `selection.sweep` set. `sweep_only`: the BPE sweep's flow (up to the knee)."""
     runs: list[tuple[Stage, str | None]] = []
     for declared in STAGES.values():
+        if sweep_only and declared.name == "selection":
+            break
         if declared.after_selection and params.selection.policy != "qad":
             continue
-        runs += [(declared, r) for r in params.ptq.recipes] if declared.per_recipe else [(declared, None)]
+        if declared.sweep and not (sweep_only or with_sweep(params)):
+            continue
+        runs += [(declared, r) for r in declared.items(params)] if declared.per_recipe else [(declared, None)]
     return runs
 
 

@@ -91,7 +91,7 @@ def dvc_yaml() -> str:
         pad = "    "
         recipe = "${item}" if stage.per_recipe else None
         if stage.per_recipe:
-            lines += [f"{pad}foreach: ${{ptq.recipes}}", f"{pad}do:"]
+            lines += [f"{pad}foreach: ${{{stage.foreach}}}", f"{pad}do:"]
             pad += "  "
         lines.append(f"{pad}cmd: qad-pipeline stage {stage.name}" + (f" {recipe}" if recipe else ""))
         code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]

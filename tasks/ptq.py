@@ -33,7 +33,7 @@ from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, yaml_error
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-from qad_pipeline.results import PTQAlias, PTQScores, dump_result, write_result
+from qad_pipeline.results import AutoQuantizeResult, PTQAlias, PTQScores, dump_result, write_result
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 from qad_pipeline.tasks.calibration import load_calibration
 from qad_pipeline.tasks.evaluate import evaluate_model
@@ -49,7 +49,7 @@ def load_quantize_config(recipe_path: Path):
     return quantize
 
 
-def check_recipe(recipe_path: Path) -> None:
+def check_recipe(recipe_path: Path, base_model=None) -> None:
     """Load and validate one recipe file as `run_ptq` will, before any work: a `ConfigError` naming the
     file and its problem (invalid YAML, not a PTQ recipe, a format or field Model Optimizer rejects).
 
@@ -57,6 +57,11 @@ def check_recipe(recipe_path: Path) -> None:
     """
     from pydantic import ValidationError
 
+    from qad_pipeline import autoquant
+
+    if autoquant.is_auto_quantize(recipe_path):  # its budget against this model's minimum, with one
+        autoquant.check_recipe(recipe_path, base_model=base_model)
+        return
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # load_recipe prints "[load_recipe] loading: ..."
             load_quantize_config(recipe_path)
@@ -123,11 +128,13 @@ def recipe_aliases(params: Params, upto: str | None = None) -> dict[str, str]:
     `upto` stops after that recipe (its own PTQ run needs only the recipes before it). A recipe
     Model Optimizer cannot apply is nobody's alias: its own PTQ run reports the error.
     """
+    from qad_pipeline.autoquant import is_auto_quantize
+
     first: dict[str, str] = {}
     aliases = {}
     for recipe in params.ptq.recipes:
-        try:
-            signature = quantizer_signature(params, recipe)
+        try:  # an AutoQuantize recipe's layers are known only once it has searched: nobody's alias
+            signature = None if is_auto_quantize(params.recipe_path(recipe)) else quantizer_signature(params, recipe)
         except Exception:  # noqa: BLE001  (a broken recipe fails in its own run, with its own message)
             signature = None
         if signature is not None and signature in first:
@@ -191,11 +198,18 @@ def weight_errors(model, worst: int = 5) -> dict:
 
 def recipe_settings(model, recipe_path: Path) -> dict:
     """The recipe's choices as they landed on this model, for side-by-side comparison:
-    calibration algorithm, weight-scale method, the Mamba projections' format, the KV cache's."""
-    algorithm = load_quantize_config(recipe_path).model_dump().get("algorithm")
-    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
-    four_over_six = any(isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
-                        for _, _, q in quantized_weights(model))
+    calibration algorithm, weight-scale method, the Mamba projections' format, the KV cache's
+    (an AutoQuantize recipe: `auto_quantize/<scoring>` and its candidate formats)."""
+    from qad_pipeline import autoquant
+
+    if autoquant.is_auto_quantize(recipe_path):
+        chosen = autoquant.settings(autoquant.load_recipe(recipe_path))
+    else:
+        algorithm = load_quantize_config(recipe_path).model_dump().get("algorithm")
+        method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+        four_over_six = any(isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
+                            for _, _, q in quantized_weights(model))
+        chosen = {"algorithm": str(method), "weight_scale": "four_over_six" if four_over_six else str(method)}
     mamba_formats = set()
     for m in model.modules():
         if "Mamba" not in type(m).__name__:
@@ -206,8 +220,7 @@ def recipe_settings(model, recipe_path: Path) -> dict:
                 acts = quantizer_format(getattr(proj, "input_quantizer", None), torch.bfloat16)
                 mamba_formats.add(f"{weights.name} W{weights.element_bits}A{acts.element_bits}")
     return {
-        "algorithm": str(method),
-        "weight_scale": "four_over_six" if four_over_six else str(method),
+        **chosen,
         "mamba_format": "+".join(sorted(mamba_formats)) or "none (no Mamba layers)",
         "kv_cache": kv_cache_format(model),
     }
@@ -222,13 +235,54 @@ def save_quantized(model, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, out_dir: Path) -> dict:
-    """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores."""
+def auto_quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: int, base_model,
+                        budget: float | None = None, search_state: Path | None = None) -> AutoQuantizeResult:
+    """Quantize `model` in place with an AutoQuantize recipe at `budget` (the recipe's own by default).
+
+    `search_state` is a search state file written by the sweep's search stage: each format's
+    calibration and the sensitivity scores are taken from it and only the solve runs. It is copied
+    first: Model Optimizer writes into the state file it is given, and that file is another
+    stage's output.
+    """
+    import shutil
+    import tempfile
+
+    from qad_pipeline import autoquant
+
+    spec = autoquant.load_recipe(recipe_path)
+    budget = spec.effective_bits if budget is None else budget
+    minimum = autoquant.minimum_budget(spec, base_model)
+    autoquant.check_budget(spec, budget, f"recipe {recipe_path}", minimum)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="autoquant-") as tmp:
+        state_file = None
+        if search_state is not None:
+            state_file = Path(tmp) / search_state.name
+            shutil.copyfile(search_state, state_file)
+        state = autoquant.search(model, spec, samples, batch_size, budget, checkpoint=state_file,
+                                 tied_lm_head=tied_embeddings(model))
+    return AutoQuantizeResult(
+        budget=budget, searched_effective_bits=autoquant.searched_bits(state), minimum_bits=minimum,
+        method=spec.method, formats=list(spec.formats), kv_cache=spec.kv_cache,
+        layers=autoquant.layer_map(state), reused_search=search_state is not None, search_s=time.time() - t0)
+
+
+def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, out_dir: Path,
+            budget: float | None = None, search_state: Path | None = None, name: str | None = None) -> dict:
+    """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores.
+
+    For an AutoQuantize recipe, `budget` replaces the recipe's own and `search_state` is a search
+    the sweep made once (`auto_quantize_model`); `name` is what the scores call the result (the
+    recipe's name by default, `<recipe>@<budget>` for a sweep point).
+    """
+    from qad_pipeline import autoquant
     from qad_pipeline.reference import Reference
 
     started = time.time()
+    name = name or recipe
+    recipe_path = params.recipe_path(recipe)
     Reference(reference_dir)  # fail before loading anything when the baseline has not run
-    canonical = recipe_aliases(params, upto=recipe).get(recipe)
+    canonical = recipe_aliases(params, upto=recipe).get(recipe) if name == recipe else None
     if canonical is not None:  # the same model as an earlier recipe: run once, report as its alias
         alias = PTQAlias(recipe=recipe, status="alias", alias_of=canonical, started_at=started,
                          finished_at=time.time())
@@ -239,7 +293,12 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
 
     samples = torch.from_numpy(load_calibration(data_dir))
     t0 = time.time()
-    quantize_model(model, params.recipe_path(recipe), samples, params.ptq.calib_batch_size)
+    searched = None
+    if autoquant.is_auto_quantize(recipe_path):
+        searched = auto_quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, params.base_model,
+                                       budget, search_state)
+    else:
+        quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size)
     quantize_s = time.time() - t0
     sizes = size_report(model)
     weight_error = weight_errors(model)
@@ -249,7 +308,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     items = scores.pop("items")
     eval_s = time.time() - t0
     result = PTQScores(
-        recipe=recipe,
+        recipe=name,
         status="ok",
         **scores,
         effective_bpe=sizes["effective_bpe"],
@@ -259,12 +318,13 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         elements_by_format=sizes["elements_by_format"],
         layer_formats=sizes["layer_formats"],
         weight_error=weight_error,
-        settings=recipe_settings(model, params.recipe_path(recipe)),
+        settings=recipe_settings(model, recipe_path),
         timing_s={"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
         started_at=started,
         finished_at=time.time(),
         peak_rss_mb=_peak_rss_mb(),
         peak_device_mb=_peak_device_mb(),
+        **({"auto_quantize": searched} if searched is not None else {}),
     )
     with staged_dir(out_dir) as tmp:
         save_quantized(model, tokenizer, tmp / "checkpoint")
@@ -290,4 +350,7 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
     if result.get("status") == "alias":
         return f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again"
-    return f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element"
+    searched = result.get("auto_quantize")
+    budget = (f" (AutoQuantize at {searched['budget']} bits: {searched['searched_effective_bits']:.3f} over the "
+              "searched layers)") if searched else ""
+    return f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element{budget}"

@@ -269,7 +269,7 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
     if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
         launch_processes(params, layout.root)
         return None
-    result = run_qad(params, layout.ptq(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+    result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
     if int(os.environ.get("RANK", "0")) != 0:  # only the first of the torchrun processes reports
         return None
     write_result(layout.qad_loss, LossCurve(read_result(layout.qad / "loss.json", QADTraining).losses))

@@ -15,6 +15,8 @@ wins. Each recovery carries a confidence interval (a seeded paired bootstrap ove
 `qad_pipeline.recovery`): a recovery difference inside the intervals is a tie, and the reason
 says so when it names the runner-up and why it lost. Recipes that resolve to the same quantizers
 on this model (`"alias"` rows) are shown with the recipe they repeat and are never candidates.
+With `selection.sweep` set, the BPE sweep's knee (or all its points), named `<recipe>@<budget>`,
+compete with the recipes under the same policy.
 When nothing qualifies `selected` is null and the reason says why; later stages stop there.
 """
 
@@ -24,11 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import Params, SelectionParams
+from qad_pipeline.config import ConfigError, Params, SelectionParams
 from qad_pipeline.layout import Layout
 from qad_pipeline.recovery import score_recovery
 from qad_pipeline.results import (
     BaselineMetrics,
+    BPESweep,
     PTQResult,
     RecipeAlias,
     RecipeFailed,
@@ -185,6 +188,20 @@ def row(metrics: RecipeResult, earlier: dict[str, RecipeRow]) -> RecipeRow:
     )
 
 
+def sweep_candidates(params: Params, layout: Layout) -> list[str]:
+    """The BPE sweep's points that compete with the recipes (`selection.sweep`): none, its knee,
+    or all of them, named `<recipe>@<budget>` (their folders: `Layout.candidate`)."""
+    if params.selection.sweep == "none":
+        return []
+    sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
+    if sweep is None:
+        raise ConfigError(f"selection.sweep is {params.selection.sweep!r} but the BPE sweep has not run "
+                          f"(no {layout.bpe_sweep_metrics}): run `qad-pipeline sweep`, or set selection.sweep=none")
+    if params.selection.sweep == "knee":
+        return [sweep.knee.name] if sweep.knee.name else []
+    return [p.name for p in sweep.points]
+
+
 def run_selection(params: Params, layout: Layout) -> Selection:
     """Stage core: recovery per recipe (metrics/ptq/*.json), then the choice (metrics/selection.json)."""
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)
@@ -192,8 +209,8 @@ def run_selection(params: Params, layout: Layout) -> Selection:
     baseline_items = read_json(items) if items.is_file() else None
     aliases = recipe_aliases(params)  # re-checked: a recipe file may have changed since its PTQ run
     rows: dict[str, RecipeRow] = {}
-    for name in params.ptq.recipes:
-        metrics = recipe_metrics(name, layout.ptq(name), baseline, baseline_items)
+    for name in [*params.ptq.recipes, *sweep_candidates(params, layout)]:
+        metrics = recipe_metrics(name, layout.candidate(name), baseline, baseline_items)
         if metrics.status == "alias" and aliases.get(name) != metrics.alias_of:
             metrics = RecipeFailed(recipe=name, status="failed",
                                    error=f"recorded as the same as {metrics.alias_of}, which it no longer is; "

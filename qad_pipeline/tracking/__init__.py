@@ -71,6 +71,7 @@ from qad_pipeline.tracking.runs import (
     start_pipeline_run,
 )
 from qad_pipeline.tracking.stale import mark_stale_runs
+from qad_pipeline.tracking.sweep import log_sweep
 from qad_pipeline.tracking.store import (
     EXPERIMENT_PREFIX,
     MODEL_SUFFIX,
@@ -84,6 +85,7 @@ from qad_pipeline.tracking.store import (
 )
 
 __all__ = [
+    "log_sweep",
     "CANDIDATE_ALIAS", "EXPERIMENT_PREFIX", "MODEL_SUFFIX", "REDACTED", "ChildRun", "check_reachable", "client_for",
     "compare_table", "compare_text", "ensure_experiment", "experiment_name", "find_experiment", "flatten",
     "git_commit", "headline_metrics", "is_secret_name", "latest_pipeline_run", "log_child", "log_pipeline",

@@ -1,0 +1,70 @@
+"""The BPE sweep in MLflow: a parent run per sweep (tag `qad.kind=sweep`) in the base model's
+experiment, with the sweep's configuration, the knee as metrics and tags, `bpe_sweep.json` and the
+Pareto plot as artifacts, and one child run per budget (`sweep-<budget>`: budget, both bit counts,
+median recovery and its interval, KL, layers per format; its layer map as an artifact), read from
+the files the sweep's stages wrote.
+"""
+
+from __future__ import annotations
+
+import time
+
+from qad_pipeline.config import Params
+from qad_pipeline.layout import Layout
+from qad_pipeline.results import BPESweep, PTQScores, dump_result, read_result
+from qad_pipeline.tracking.children import ChildRun, stage_span
+from qad_pipeline.tracking.runs import _log_batch, _log_files, log_child, start_pipeline_run
+from qad_pipeline.tracking.store import KIND, client_for, tracking_uri
+
+
+def sweep_children(layout: Layout, params: Params, sweep: BPESweep) -> list[ChildRun]:
+    """One child run per sweep point that ran."""
+    children = []
+    for point in sweep.points:
+        budget = str(point.budget)
+        folder = layout.sweep(budget)
+        scores = read_result(folder / "scores.json", PTQScores)
+        start_ms, end_ms = stage_span(layout, f"sweep-{budget}", folder / "scores.json")
+        searched = scores.auto_quantize
+        children.append(ChildRun(
+            name=f"sweep-{budget}", stage="sweep", start_ms=start_ms, end_ms=end_ms, recipe=point.name,
+            params={"budget": point.budget, "sweep.recipe": params.sweep.recipe, "method": searched.method,
+                    "formats": ",".join(searched.formats), "kv_cache": searched.kv_cache},
+            metrics={"budget": point.budget, "searched_effective_bits": point.searched_effective_bits,
+                     "effective_bpe": point.effective_bpe, "median_recovery": point.median_recovery,
+                     "median_recovery_ci_low": point.median_recovery_ci[0],
+                     "median_recovery_ci_high": point.median_recovery_ci[1], "kl_divergence": point.kl_divergence,
+                     "size_bytes": scores.size_bytes,
+                     **{f"layers.{fmt}": n for fmt, n in point.layers_by_format.items()}},
+            tags={"knee": str(point.name == sweep.knee.name).lower()},
+            dicts={"auto_quantize.json": dump_result(searched)},
+        ))
+    return children
+
+
+def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None) -> str:
+    """Log one sweep: its parent run and a child per budget; returns the parent's run id."""
+    from mlflow.entities import RunStatus
+
+    sweep = read_result(layout.bpe_sweep_metrics, BPESweep)
+    client = client_for(tracking_uri(layout.root))
+    run_id = start_pipeline_run(layout, params, flow_run_id=flow_run_id, git_commit=git_commit)
+    client.set_tag(run_id, KIND, "sweep")
+    client.set_tag(run_id, "mlflow.runName", "bpe-sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+    experiment_id = client.get_run(run_id).info.experiment_id
+    for child in sweep_children(layout, params, sweep):
+        log_child(client, experiment_id, run_id, child)
+    knee = next((p for p in sweep.points if p.name == sweep.knee.name), None)
+    metrics = {"noise": sweep.noise}
+    if knee is not None:
+        metrics.update({"knee.budget": knee.budget, "knee.effective_bpe": knee.effective_bpe,
+                        "knee.median_recovery": knee.median_recovery, "knee.kl_divergence": knee.kl_divergence})
+    _log_batch(client, run_id, metrics=metrics, tags={"knee": sweep.knee.name or "none",
+                                                      "knee.reason": sweep.knee.reason[:5000]})
+    _log_files(client, run_id, {"bpe_sweep.json": dump_result(sweep)}, {})
+    from qad_pipeline.tasks.bpe_sweep import plot_path
+
+    if plot_path(layout).is_file():
+        client.log_artifact(run_id, str(plot_path(layout)), "plots")
+    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+    return run_id

@@ -1,0 +1,118 @@
+"""The BPE sweep: the knee rule (a pure function), AutoQuantize recipes refused up front, and an
+AutoQuantize model's layer map and both bit counts against the safetensors of its export."""
+
+import pytest
+import torch
+
+from qad_pipeline import autoquant
+from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.results import SweepPoint
+from qad_pipeline.tasks.bpe_sweep import choose_knee, monotone_within, noise
+
+SWEEP_RECIPE = PROJECT_ROOT / "recipes" / "autoquant_4o6-fp8-kv_fp8.yaml"
+
+
+def point(bpe: float, recovery: float, half: float = 0.002) -> SweepPoint:
+    return SweepPoint(name=f"r@{bpe}", kind="sweep", budget=bpe, searched_effective_bits=bpe, effective_bpe=bpe,
+                      median_recovery=recovery, median_recovery_ci=(recovery - half, recovery + half),
+                      kl_divergence=0.01, layers_by_format={})
+
+
+def test_knee_of_a_flat_curve_is_its_first_point():
+    knee = choose_knee([point(5, 0.98), point(6, 0.981), point(8, 0.9812)], epsilon=0.005)
+    assert knee.name == "r@5" and "flat" in knee.reason
+
+
+def test_knee_where_gains_fall_below_epsilon():
+    # +3 points per bit from 4.75 to 5.0, then under 0.5 points per bit
+    curve = [point(4.75, 0.95), point(5.0, 0.9575), point(5.5, 0.959), point(6.5, 0.961), point(8.0, 0.962)]
+    knee = choose_knee(curve, epsilon=0.005)
+    assert knee.name == "r@5.0" and knee.budget == 5.0
+    assert "below ε = 0.50" in knee.reason
+
+
+def test_knee_of_a_curve_that_keeps_gaining_is_its_last_point():
+    knee = choose_knee([point(5, 0.90), point(6, 0.93), point(7, 0.96)], epsilon=0.005)
+    assert knee.name == "r@7" and "most bits" in knee.reason
+
+
+def test_a_noisy_dip_does_not_end_the_search_early():
+    # 5.5 dips below 5.0 (noise), but 8.0 still gains 1 point per bit over 5.0: the knee is further
+    curve = [point(5.0, 0.95), point(5.5, 0.948), point(8.0, 0.98)]
+    assert choose_knee(curve, epsilon=0.005).name == "r@8.0"
+    assert monotone_within(curve, noise(curve) + 0.001) and not monotone_within(curve, 0.001)
+
+
+def test_no_points_no_knee():
+    knee = choose_knee([], epsilon=0.005)
+    assert knee.name is None and "no sweep point" in knee.reason
+
+
+def test_recipe_validation_names_the_key(tmp_path):
+    bad = tmp_path / "aq.yaml"
+    bad.write_text(SWEEP_RECIPE.read_text().replace("method: gradient", "methd: gradient"))
+    with pytest.raises(ConfigError, match=r"auto_quantize.methd: unknown key"):
+        autoquant.load_recipe(bad)
+    bad.write_text(SWEEP_RECIPE.read_text().replace("FP8_DEFAULT_CFG]", "FP3_CFG]"))
+    with pytest.raises(ConfigError, match=r"unknown format 'FP3_CFG'"):
+        autoquant.load_recipe(bad)
+
+
+def test_budget_below_what_the_model_allows_is_refused_with_the_minimum():
+    params = load_params()
+    spec = autoquant.load_recipe(SWEEP_RECIPE)
+    low = autoquant.minimum_budget(spec, params.base_model)
+    # the formats alone allow 4 bits; the demo's BF16 attention and convolutions raise it
+    assert autoquant.minimum_bits(spec) == 4.0 and 4.0 < low < 5.0
+    with pytest.raises(ConfigError, match=rf"effective_bits 4.5 is outside .* the minimum possible is {low:g}"):
+        autoquant.check_recipe(SWEEP_RECIPE, [4.5], params.base_model)
+    autoquant.check_recipe(SWEEP_RECIPE, [low, 8.0], params.base_model)  # at the minimum: accepted
+
+
+def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
+    """AutoQuantize on the demo model at 5.0 bits, exported by Model Optimizer as MIXED_PRECISION:
+    each layer's chosen format is what its exported tensors hold, Model Optimizer's count is the
+    layer map's, and the project's whole-model count is the safetensors' (the export's checks)."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    from qad_pipeline.artifacts import read_json
+    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.sizes import size_report
+    from qad_pipeline.tasks.export import (check_formats, check_size, normalize, read_tensors, repair_layer_names,
+                                           tensor_format)
+
+    params = load_params()
+    model = load_model(params.base_model, params.hardware)
+    tokenizer = load_tokenizer(params.base_model)
+    text = " ".join(p.read_text() for p in sorted((PROJECT_ROOT / "data" / "heldout").glob("*.txt"))[:2])
+    samples = tokenizer(text, return_tensors="pt").input_ids[0][: 8 * 64].reshape(8, 64)
+    spec = autoquant.load_recipe(SWEEP_RECIPE)
+    state = autoquant.search(model, spec, samples, 4, budget=5.0)
+    layers = autoquant.layer_map(state)
+    assert autoquant.bits_of(layers) == pytest.approx(autoquant.searched_bits(state), rel=1e-9)
+    assert autoquant.searched_bits(state) <= 5.0
+    chosen = {layer["format"] for layer in layers.values() if len(layer["costs"]) > 1}
+    assert {"NVFP4_FOUR_OVER_SIX_CFG", "FP8_DEFAULT_CFG"} <= chosen, "not every layer is NVFP4"
+    expected = size_report(model)
+
+    export_hf_checkpoint(model, export_dir=tmp_path)
+    repair_layer_names(tmp_path)  # as the export stage does: the mixed-precision layer list's names too
+    tensors = read_tensors(tmp_path)
+    config = read_json(tmp_path / "hf_quant_config.json")
+    assert config["quantization"]["quant_algo"] == "MIXED_PRECISION"
+    formats = check_formats(expected["layer_formats"], tensors, config)
+    assert formats["passed"], formats["problems"]
+    assert check_size(expected["effective_bpe"], tensors)["passed"]
+    held = {}
+    for name in tensors:
+        if name.endswith(".weight") and tensors[name].dim() == 2 or tensor_format(name, tensors) == "nvfp4":
+            held.setdefault(normalize(name), set()).add(tensor_format(name, tensors))
+    want = {"NVFP4_FOUR_OVER_SIX_CFG": "nvfp4", "FP8_DEFAULT_CFG": "fp8", "none": "bf16"}
+    checked = 0
+    for layer in layers.values():
+        for module in layer["modules"]:
+            got = held.get(normalize(module))
+            if got is not None:
+                assert got == {want[layer["format"]]}, (module, layer["format"], got)
+                checked += 1
+    assert checked >= 10
