@@ -60,8 +60,11 @@ def gpu_stage(
     overrides: list[str] | None = None,
     out_root: str | None = None,
     lock_token: str | None = None,
+    item: str | None = None,
 ) -> dict:
-    """Run one of the GPU-heavy stages (baseline, qad, final_eval, export); fails when it fails."""
+    """Run one of the GPU-heavy stages (baseline, sweep_search, qad, final_eval, export, or `sweep`
+    with its budget as `item`); fails when it fails."""
     if stage not in GPU_STAGES:
         raise ValueError(f"gpu-stage runs one of {list(GPU_STAGES)}, not {stage!r}")
-    return {"stage": stage, **_run_here([stage], params_file, overrides, out_root, lock_token)}
+    return {"stage": stage, **_run_here([stage, *([item] if item else [])], params_file, overrides, out_root,
+                                        lock_token)}

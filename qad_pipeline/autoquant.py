@@ -98,8 +98,12 @@ def format_algorithm(name: str) -> str:
 
 
 def is_auto_quantize(recipe_path: Path) -> bool:
-    """The recipe file declares `metadata.recipe_type: auto_quantize` (else it is a fixed recipe)."""
-    data = read_yaml(recipe_path)
+    """The recipe file declares `metadata.recipe_type: auto_quantize` (else it is a fixed recipe,
+    and a file that is not YAML is reported as one, by Model Optimizer's recipe loader)."""
+    try:
+        data = read_yaml(recipe_path)
+    except ConfigError:
+        return False
     return isinstance(data, dict) and isinstance(data.get("metadata"), dict) \
         and data["metadata"].get("recipe_type") == RECIPE_TYPE
 

@@ -181,9 +181,9 @@ def stage(
         params = resolve_params(params_file, overrides, base_model)
         declared = STAGES[name.value]
         if declared.per_recipe:
-            what = "recipe name" if declared.foreach == "ptq.recipes" else "budget"
+            what = "recipe" if declared.foreach == "ptq.recipes" else "budget"
             if recipe is None:
-                raise ConfigError(f"stage {name.value} needs a {what}: one of {declared.items(params)}")
+                raise ConfigError(f"stage {name.value} needs a {what} name: one of {declared.items(params)}")
             if recipe not in declared.items(params):
                 raise ConfigError(f"unknown {what} {recipe!r}: {declared.foreach} lists {declared.items(params)}")
         if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it

@@ -198,7 +198,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           gpu=True, after_selection=True),
 )}
 
-GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and not s.per_recipe)
+# what `gpu-stage` runs (the recipes have their own flow, `ptq-recipe`)
+GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and s.name != "ptq")
 
 
 def with_sweep(params: Params) -> bool:

@@ -116,3 +116,40 @@ def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
                 assert got == {want[layer["format"]]}, (module, layer["format"], got)
                 checked += 1
     assert checked >= 10
+
+
+@pytest.mark.slow
+def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
+    """`bpe-sweep` end to end on the tiny settings, two budgets and one fixed recipe: the search runs
+    once and each point reuses it, the curve and knee are written, the table is a Prefect artifact,
+    MLflow has a child run per budget, and the points are PTQ folders that selection can take."""
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from qad_pipeline import tracking
+    from qad_pipeline.flows.sweep import bpe_sweep
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.results import BPESweep, PTQScores, read_result
+    from tests.conftest import GOOD_RECIPES, TINY
+
+    overrides = [*TINY, f"ptq.recipes=[{GOOD_RECIPES[0]}]", "sweep.budgets=[5.0, 8.0]"]
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = bpe_sweep(params_file=str(PROJECT_ROOT / "params.yaml"), overrides=overrides, out_root=str(tmp_path))
+        with get_client(sync_client=True) as client:
+            keys = {a.key for a in client.read_latest_artifacts()}
+    layout = Layout(tmp_path)
+    sweep = read_result(layout.bpe_sweep_metrics, BPESweep)
+    assert [p.budget for p in sweep.points] == [5.0, 8.0] and [p.name for p in sweep.fixed] == [GOOD_RECIPES[0]]
+    assert sweep.knee.name in {p.name for p in sweep.points} and sweep.knee.reason
+    low, high = sweep.points
+    assert low.searched_effective_bits < high.searched_effective_bits and low.effective_bpe < high.effective_bpe
+    for budget in ("5.0", "8.0"):
+        scores = read_result(layout.sweep(budget) / "scores.json", PTQScores)
+        assert scores.auto_quantize.reused_search and scores.recipe == f"autoquant_4o6-fp8-kv_fp8@{budget}"
+        assert (layout.candidate(scores.recipe) / "checkpoint").is_dir()
+    assert "bpe-sweep-demo-model" in keys
+    store = tracking.client_for(tracking.tracking_uri(tmp_path))
+    parent = summary["mlflow"]["run_id"]
+    children = store.search_runs([store.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
+    assert sorted(r.info.run_name for r in children) == ["sweep-5.0", "sweep-8.0"]
+    assert (layout.bpe_sweep / "pareto.png").is_file()

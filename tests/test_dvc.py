@@ -19,8 +19,10 @@ from tests.conftest import GOOD_RECIPES, TINY
 
 pytestmark = pytest.mark.slow
 
-ALL_STAGES = {"calibration", "baseline", *(f"ptq@{r}" for r in GOOD_RECIPES), "selection", "qad", "final_eval",
-              "export"}
+# the BPE sweep's branch with one budget: its search, the point, the curve (selection reads it)
+SWEEP_STAGES = {"sweep_search", "sweep@5.0", "bpe_sweep"}
+ALL_STAGES = {"calibration", "baseline", *(f"ptq@{r}" for r in GOOD_RECIPES), *SWEEP_STAGES, "selection", "qad",
+              "final_eval", "export"}
 
 
 def repro(repo: Path, *args: str) -> tuple[set[str], str]:
@@ -41,7 +43,8 @@ def project(tmp_path_factory, demo_model_path):
     remote = tmp_path_factory.mktemp("dvc-remote")
     # the serving check has its own tests (test_serving.py, and the flow's export): here it only costs time
     repo = make_dvc_project(tmp_path_factory.mktemp("dvc-project"),
-                            [*TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]", "export.serving_check=skip"], remote)
+                            [*TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]", "export.serving_check=skip",
+                             "sweep.budgets=[5.0]"], remote)
     started = time.time()
     ran, _ = repro(repo)
     seconds = time.time() - started
@@ -58,6 +61,9 @@ def test_full_run_then_nothing_to_do(project):
     # each stage records exactly its params: QAD's keys are in qad's entry and in no PTQ entry
     assert "qad" in lock["qad"]["params"]["params.yaml"]
     assert all("qad" not in lock[f"ptq@{r}"]["params"]["params.yaml"] for r in GOOD_RECIPES)
+    sweep = json.loads((repo / "metrics/bpe_sweep.json").read_text())  # the sweep's curve, by `dvc repro`
+    assert [p["budget"] for p in sweep["points"]] == [5.0] and sweep["knee"]["name"].endswith("@5.0")
+    assert len(sweep["fixed"]) == len(GOOD_RECIPES) and (repo / "artifacts/bpe_sweep/pareto.png").is_file()
 
     again, out = repro(repo)
     assert again == set(), out
@@ -87,8 +93,8 @@ def test_one_recipe_file_reruns_that_recipe_only(project):
     recipe = repo / "recipes" / f"{changed}.yaml"
     recipe.write_text(recipe.read_text() + "\n# changed: one recipe file\n")
     ran, _ = repro(repo)
-    assert f"ptq@{changed}" in ran and "selection" in ran
-    assert not ran & {f"ptq@{untouched}", "calibration", "baseline"}
+    assert f"ptq@{changed}" in ran and "selection" in ran and "bpe_sweep" in ran  # a fixed recipe is on the curve
+    assert not ran & {f"ptq@{untouched}", "calibration", "baseline", "sweep_search", "sweep@5.0"}
     commit(repo, "one recipe changed")
 
 
@@ -98,8 +104,8 @@ def test_new_base_checkpoint_version_is_a_dvc_change(project):
     sh(repo, "dvc", "add", "-q", "models/base")
     assert "models/base.dvc" in sh(repo, "git", "status", "--porcelain").stdout
     dry, _ = repro(repo, "--dry")
-    # every stage that reads the base model is out of date (selection only reads their results)
-    assert dry == ALL_STAGES - {"selection"}
+    # every stage that reads the base model is out of date (selection and bpe_sweep only read results)
+    assert dry == ALL_STAGES - {"selection", "bpe_sweep"}
     sh(repo, "git", "checkout", "-q", "models/base.dvc")
     sh(repo, "dvc", "checkout", "-q", "--force", "models/base.dvc")
     assert not (repo / "models/base/README.md").exists()
