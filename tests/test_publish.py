@@ -36,7 +36,8 @@ def test_pipeline_tasks_have_fixed_run_names(tmp_path):
     for stage in STAGES:
         task = pipeline.stage_task(job, stage, "r1" if STAGES[stage].per_recipe else None)
         assert task.name == stage
-        assert task.task_run_name == ("ptq-r1" if stage == "ptq" else stage)  # no random suffix: the stage's one name
+        # no random suffix: the stage's one name (`ptq-<recipe>`, `sweep-<budget>` for a per-item stage)
+        assert task.task_run_name == (f"{stage}-r1" if STAGES[stage].per_recipe else stage)
 
 
 def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_path, monkeypatch):
