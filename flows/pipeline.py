@@ -232,7 +232,7 @@ def qad_pipeline(
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment))
-    at_once = recipe_parallelism(params)
+    at_once = recipe_parallelism(params, sweep=with_sweep(params))
     job = Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
               at_once, max(1, (os.cpu_count() or 1) // at_once))
     with holding_outputs(params, layout):

@@ -54,7 +54,7 @@ def bpe_sweep(
     params = load_params(Path(params_file), overrides)
     layout = Layout(output_root(out_root, params_file))
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=True)
-    at_once = recipe_parallelism(params)
+    at_once = recipe_parallelism(params, sweep=True)
     job = Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
               at_once, max(1, (os.cpu_count() or 1) // at_once))
     with holding_outputs(params, layout):

@@ -24,7 +24,7 @@ from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, LIGHT_PROCESS_BASE, PROCESS_BASE,
                                        SELECTION_PROCESS, GiB, MiB, ModelShape, Phase, model_shape, stage_phases)
 from qad_pipeline.report import aligned
-from qad_pipeline.stages import planned
+from qad_pipeline.stages import planned, with_sweep
 
 HEADROOM = 0.9                    # the share of the free memory the plan lets the stages use
 
@@ -157,19 +157,20 @@ def _gpus_holding(device_bytes: int, cap: Capacity) -> int:
     return sum(1 for free in cap.gpu_bytes if device_bytes <= free)
 
 
-def recipe_parallelism(params: Params, cap: Capacity | None = None) -> int:
-    """PTQ recipe processes at once: `ptq.max_parallel`, or for `auto` as many as the free host
-    memory holds (CPU), or one per visible GPU that holds a recipe (CUDA; one at a time with
-    `device_map: auto`, which spreads a recipe over all of them). At least 1: `check_fits`
-    refuses a recipe that does not fit at all."""
-    recipes = len(params.ptq.recipes)
+def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool = False) -> int:
+    """Per-item processes at once (PTQ recipes; with `sweep`, the sweep's budgets too, which share
+    the recipes' slots): `ptq.max_parallel`, or for `auto` as many as the free host memory holds
+    (CPU), or one per visible GPU that holds one (CUDA; one at a time with `device_map: auto`, which
+    spreads a recipe over all of them). At least 1: `check_fits` refuses one that does not fit at all."""
+    stages = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
+    items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
     if params.ptq.max_parallel != "auto":
-        return min(params.ptq.max_parallel, recipes)
+        return min(params.ptq.max_parallel, items)
     cap = cap or capacity(params.hardware)
     if cap.device == "cuda" and not cap.gpu_bytes:  # the recipes run on GPU workers, one each
-        return recipes
-    peaks = [estimate(f"ptq/{r}", params, cap) for r in params.ptq.recipes]
-    fit = min(recipes, cap.host_bytes // max(e.host_bytes for e in peaks))
+        return items
+    peaks = [estimate(stage, params, cap) for stage in stages]
+    fit = min(items, cap.host_bytes // max(e.host_bytes for e in peaks))
     if cap.device == "cuda" and cap.gpu_bytes:
         per_gpu = 1 if params.hardware.device_map == "auto" else _gpus_holding(max(e.device_bytes for e in peaks), cap)
         fit = min(fit, per_gpu)
@@ -267,7 +268,7 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
 def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
     """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit."""
     cap = cap or capacity(params.hardware)
-    recipes_at_once = recipe_parallelism(params, cap)
+    recipes_at_once = recipe_parallelism(params, cap, sweep=sweep_only or with_sweep(params))
     shape = model_shape(params.base_model)
     out = []
     for stage in stages(params, sweep_only):

@@ -18,6 +18,7 @@ from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.results import (
     BaselineMetrics,
+    BPESweep,
     CalibrationManifest,
     ExportMetrics,
     PTQResult,
@@ -305,5 +306,10 @@ def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     rows = {r.name: r for r in selection.table} if selection is not None else {}
     children = [stage_child(layout, params, "calibration"), stage_child(layout, params, "baseline")]
     children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
+    if params.selection.sweep != "none":  # the run swept first: a run per budget, and the curve's
+        from qad_pipeline.tracking.sweep import bpe_sweep_child, sweep_children
+
+        sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
+        children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
     children += [stage_child(layout, params, s) for s in ("selection", "qad", "final_eval", "export")]
     return [c for c in children if c is not None]

@@ -216,7 +216,8 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     stage whose result is missing.
     """
     if not layout.selection_metrics.is_file():
-        missing = next(s for s in STAGES if not STAGES[s].per_recipe and not result_file(layout, s).is_file())
+        missing = next(s for s in STAGES if not STAGES[s].per_recipe and not STAGES[s].sweep
+                       and not result_file(layout, s).is_file())
         return "FAILED", f"no result from {missing}"
     selection = read_result(layout.selection_metrics, SelectionResult)
     if selection.selected is None:
@@ -276,7 +277,9 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
         if report:
             client.log_text(run_id, redact_text(report), "report.txt")
-        for png in sorted((layout.metrics / "plots").glob("*.png")):
+        pareto = layout.bpe_sweep / "pareto.png"  # the BPE sweep's, when the run swept first
+        for png in [*sorted((layout.metrics / "plots").glob("*.png")),
+                    *([pareto] if params.selection.sweep != "none" and pareto.is_file() else [])]:
             client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
         _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)

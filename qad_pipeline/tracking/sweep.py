@@ -42,6 +42,26 @@ def sweep_children(layout: Layout, params: Params, sweep: BPESweep) -> list[Chil
     return children
 
 
+def knee_metrics(sweep: BPESweep) -> dict[str, float]:
+    """The knee's figures and the eval's noise, as metrics."""
+    knee = next((p for p in sweep.points if p.name == sweep.knee.name), None)
+    metrics = {"noise": sweep.noise}
+    if knee is not None:
+        metrics.update({"knee.budget": knee.budget, "knee.searched_effective_bits": knee.searched_effective_bits,
+                        "knee.effective_bpe": knee.effective_bpe, "knee.median_recovery": knee.median_recovery,
+                        "knee.kl_divergence": knee.kl_divergence})
+    return metrics
+
+
+def bpe_sweep_child(layout: Layout, sweep: BPESweep) -> ChildRun:
+    """The curve's stage run (`bpe_sweep`): the knee and its reason, `bpe_sweep.json`."""
+    start_ms, end_ms = stage_span(layout, "bpe_sweep", layout.bpe_sweep_metrics)
+    return ChildRun(name="bpe_sweep", stage="bpe_sweep", start_ms=start_ms, end_ms=end_ms,
+                    params={"knee_epsilon": sweep.knee_epsilon}, metrics=knee_metrics(sweep),
+                    tags={"knee": sweep.knee.name or "none", "knee.reason": sweep.knee.reason[:5000]},
+                    dicts={"bpe_sweep.json": dump_result(sweep)})
+
+
 def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None) -> str:
     """Log one sweep: its parent run and a child per budget; returns the parent's run id."""
     from mlflow.entities import RunStatus
@@ -54,13 +74,8 @@ def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_co
     experiment_id = client.get_run(run_id).info.experiment_id
     for child in sweep_children(layout, params, sweep):
         log_child(client, experiment_id, run_id, child)
-    knee = next((p for p in sweep.points if p.name == sweep.knee.name), None)
-    metrics = {"noise": sweep.noise}
-    if knee is not None:
-        metrics.update({"knee.budget": knee.budget, "knee.effective_bpe": knee.effective_bpe,
-                        "knee.median_recovery": knee.median_recovery, "knee.kl_divergence": knee.kl_divergence})
-    _log_batch(client, run_id, metrics=metrics, tags={"knee": sweep.knee.name or "none",
-                                                      "knee.reason": sweep.knee.reason[:5000]})
+    _log_batch(client, run_id, metrics=knee_metrics(sweep), tags={"knee": sweep.knee.name or "none",
+                                                                    "knee.reason": sweep.knee.reason[:5000]})
     _log_files(client, run_id, {"bpe_sweep.json": dump_result(sweep)}, {})
     from qad_pipeline.tasks.bpe_sweep import plot_path
 
