@@ -4,7 +4,9 @@
                                                           ── qad ── final_eval ── export
 
 With `selection.policy: ptq_final` the flow ends at selection (PTQ is the last step); when no
-recipe qualifies it ends there too, and the report says why.
+recipe qualifies it ends there too, and the report says why. With `selection.sweep: knee` (or
+`all`) the BPE sweep's stages (sweep_search, sweep × budgets, bpe_sweep; `flows/sweep.py`) run
+beside the recipes, and its knee (or every point) is a candidate in selection.
 
 Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same command that
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
@@ -50,7 +52,7 @@ from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
 from qad_pipeline.preflight import preflight
 from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
-from qad_pipeline.results import ExportMetrics, QADMetrics, SelectionResult, dump_result, read_result
+from qad_pipeline.results import BPESweep, ExportMetrics, QADMetrics, SelectionResult, dump_result, read_result
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
 
@@ -270,6 +272,8 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     started = time.time()
     baseline = submit(job, "baseline", after=[calibration])
     seconds["baseline"] = baseline.result()  # no baseline, no recovery: a failed baseline fails the flow
+    from qad_pipeline.flows.sweep import submit_sweep, sweep_ran  # it builds on this module
+
     recipes = {name: submit(job, "ptq", name, after=[calibration, baseline]) for name in params.ptq.recipes}
     sweep = [submit_sweep(job, params, calibration, baseline, recipes)] if with_sweep(params) else []
     wait(list(recipes.values()) + sweep)
@@ -292,10 +296,13 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     seconds["selection"] = selection.result()
     ran.append(("selection", None))
     chosen = read_result(layout.selection_metrics, SelectionResult)
-    summary = {"selection": dump_result(chosen), "recipes": recipe_rows(layout, params.ptq.recipes),
-               "weight_error": weight_error_rows(layout, params.ptq.recipes),
+    names = [*params.ptq.recipes, *(r.name for r in chosen.table if r.name not in params.ptq.recipes)]  # + sweep's
+    summary = {"selection": dump_result(chosen), "recipes": recipe_rows(layout, names),
+               "weight_error": weight_error_rows(layout, names),
                "failed": failed, "cached": cached, "baseline_cached": baseline.state.name == "Cached",
                "seconds": seconds, "root": str(layout.root)}
+    if sweep and layout.bpe_sweep_metrics.is_file():
+        summary["sweep"] = dump_result(read_result(layout.bpe_sweep_metrics, BPESweep))
     publish_recipe_table(params, summary)
     if chosen.selected is not None and params.selection.policy == "qad":
         upstream = selection
@@ -307,22 +314,6 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
         summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
     publish_report(params, summary)
     return summary, ran
-
-
-def submit_sweep(job: Job, params, calibration: PrefectFuture, baseline: PrefectFuture,
-                 recipes: dict[str, PrefectFuture]) -> PrefectFuture:
-    """The BPE sweep's stages: one search, then every budget (in the recipes' slots), then the
-    curve and knee once they and the fixed recipes are done; its future is the knee's."""
-    search = submit(job, "sweep_search", after=[calibration])
-    points = [submit(job, "sweep", b, after=[calibration, baseline, search]) for b in params.sweep.points]
-    return submit(job, "bpe_sweep", after=[baseline, *map(allow_failure, [*recipes.values(), *points])])
-
-
-def sweep_ran(params, layout: Layout) -> list[tuple[str, str | None]]:
-    """The sweep's (stage, item) pairs whose results are on disk."""
-    ran = [("sweep_search", None)] if (layout.sweep_search / "search.json").is_file() else []
-    ran += [("sweep", b) for b in params.sweep.points if (layout.sweep(b) / "scores.json").is_file()]
-    return ran + ([("bpe_sweep", None)] if layout.bpe_sweep_metrics.is_file() else [])
 
 
 def stop_everything(err: BaseException) -> None:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from prefect import flow, get_run_logger
-from prefect.futures import wait
+from prefect import allow_failure, flow, get_run_logger
+from prefect.futures import PrefectFuture, wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from qad_pipeline import tracking, versioning
 from qad_pipeline.config import load_params
-from qad_pipeline.flows.pipeline import (Job, StageFailed, holding_outputs, parameter_overrides, stop_everything,
-                                         submit, submit_sweep, sweep_ran)
+from qad_pipeline.flows.pipeline import (Job, StageFailed, holding_outputs, parameter_overrides,
+                                         stop_everything, submit)
 from qad_pipeline.flows.publish import publish_sweep_table
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import preflight
@@ -80,6 +80,22 @@ def bpe_sweep(
     _, recorded = versioning.record_run(layout.root, Path(params_file), overrides, versioning.stage_names(ran))
     get_run_logger().info(recorded)
     return {"sweep": sweep, "root": str(layout.root), "mlflow": mlflow, "dvc": recorded}
+
+
+def submit_sweep(job: Job, params, calibration: PrefectFuture, baseline: PrefectFuture,
+                 recipes: dict[str, PrefectFuture]) -> PrefectFuture:
+    """The BPE sweep's stages: one search, then every budget (in the recipes' slots), then the
+    curve and knee once they and the fixed recipes are done; its future is the knee's."""
+    search = submit(job, "sweep_search", after=[calibration])
+    points = [submit(job, "sweep", b, after=[calibration, baseline, search]) for b in params.sweep.points]
+    return submit(job, "bpe_sweep", after=[baseline, *map(allow_failure, [*recipes.values(), *points])])
+
+
+def sweep_ran(params, layout: Layout) -> list[tuple[str, str | None]]:
+    """The sweep's (stage, item) pairs whose results are on disk."""
+    ran = [("sweep_search", None)] if (layout.sweep_search / "search.json").is_file() else []
+    ran += [("sweep", b) for b in params.sweep.points if (layout.sweep(b) / "scores.json").is_file()]
+    return ran + ([("bpe_sweep", None)] if layout.bpe_sweep_metrics.is_file() else [])
 
 
 def track_sweep(layout: Layout, params) -> dict:

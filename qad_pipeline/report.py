@@ -221,6 +221,10 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
         out += ["Compression could go further: the selected recipe is above the band's upper end.", ""]
     if summary.weight_error:
         out += [*heading("Weight error (relative, per quantized layer)"), *table(summary.weight_error)]
+    if summary.sweep is not None:
+        sweep = summary.sweep
+        out += [*heading(f"BPE sweep of {sweep.recipe}"), *table(sweep_rows(sweep.model_dump(mode="json"))),
+                f"Knee: {sweep.knee.name or 'none'}. {_one_line(sweep.knee.reason)}", ""]
     if summary.qad is not None:
         q = summary.qad
         verdict = "beats" if q.qad_beats_ptq else "does NOT beat"

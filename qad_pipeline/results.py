@@ -364,6 +364,7 @@ class RunSummary(_Strict):
     root: str | None = None
     qad: QADMetrics | None = None
     export: ExportMetrics | None = None
+    sweep: BPESweep | None = None  # when the run swept first (selection.sweep set)
     plots: list[str] = []
     mlflow: dict[str, Any] = {}  # flows/pipeline.py: track: uri, run id, model version; or error
     dvc: str | None = None
