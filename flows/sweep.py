@@ -15,6 +15,7 @@ export, run the pipeline with `selection.sweep: knee` (or `all`).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from prefect import allow_failure, flow, get_run_logger
@@ -57,6 +58,7 @@ def bpe_sweep(
     at_once = recipe_parallelism(params, sweep=True)
     job = Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
               at_once, max(1, (os.cpu_count() or 1) // at_once))
+    started_ms = int(time.time() * 1000)
     with holding_outputs(params, layout):
         try:
             calibration = submit(job, "calibration")
@@ -74,7 +76,7 @@ def bpe_sweep(
             raise
         sweep = dump_result(read_result(layout.bpe_sweep_metrics, BPESweep))
         publish_sweep_table(params, sweep)
-        mlflow = track_sweep(layout, params)
+        mlflow = track_sweep(layout, params, started_ms)
     ran = [("calibration", None), ("baseline", None),
            *(("ptq", n) for n, f in recipes.items() if f.state.is_completed()), *sweep_ran(params, layout)]
     _, recorded = versioning.record_run(layout.root, Path(params_file), overrides, versioning.stage_names(ran))
@@ -98,14 +100,15 @@ def sweep_ran(params, layout: Layout) -> list[tuple[str, str | None]]:
     return ran + ([("bpe_sweep", None)] if layout.bpe_sweep_metrics.is_file() else [])
 
 
-def track_sweep(layout: Layout, params) -> dict:
+def track_sweep(layout: Layout, params, started_ms: int) -> dict:
     """Log the sweep to MLflow; a failure is a warning (the files stay; nothing is lost)."""
     from prefect.runtime import flow_run
 
     try:
         uri = tracking.tracking_uri(layout.root)
         tracking.check_reachable(uri)
-        run_id = tracking.log_sweep(layout, params, flow_run_id=flow_run.id, git_commit=tracking.git_commit())
+        run_id = tracking.log_sweep(layout, params, flow_run_id=flow_run.id, git_commit=tracking.git_commit(),
+                                    start_ms=started_ms)
         return {"uri": uri, "run_id": run_id}
     except Exception as err:  # noqa: BLE001  (tracking must never cost the sweep its results)
         get_run_logger().warning("MLflow logging of the sweep failed (%s); its files are under %s", err, layout.root)

@@ -14,7 +14,7 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.results import BPESweep, PTQScores, dump_result, read_result
 from qad_pipeline.tracking.children import ChildRun, stage_span
 from qad_pipeline.tracking.runs import _log_batch, _log_files, log_child, start_pipeline_run
-from qad_pipeline.tracking.store import KIND, client_for, tracking_uri
+from qad_pipeline.tracking.store import KIND, NOTE, client_for, tracking_uri
 
 
 def sweep_children(layout: Layout, params: Params, sweep: BPESweep) -> list[ChildRun]:
@@ -62,24 +62,36 @@ def bpe_sweep_child(layout: Layout, sweep: BPESweep) -> ChildRun:
                     dicts={"bpe_sweep.json": dump_result(sweep)})
 
 
-def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None) -> str:
-    """Log one sweep: its parent run and a child per budget; returns the parent's run id."""
+def description(sweep: BPESweep) -> str:
+    """The sweep run's description (Markdown): the knee and why, then the table."""
+    from qad_pipeline.report import markdown_table, sweep_rows
+
+    rows = sweep_rows(dump_result(sweep))
+    return "\n".join([f"**Knee:** {sweep.knee.name or 'none'}", "", sweep.knee.reason, *markdown_table(rows),
+                      f"Eval noise (widest half interval): {100 * sweep.noise:.2f} points."])
+
+
+def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
+              start_ms: int | None = None) -> str:
+    """Log one sweep (started at `start_ms`): its parent run and a child per budget; the parent's id."""
     from mlflow.entities import RunStatus
 
     sweep = read_result(layout.bpe_sweep_metrics, BPESweep)
     client = client_for(tracking_uri(layout.root))
-    run_id = start_pipeline_run(layout, params, flow_run_id=flow_run_id, git_commit=git_commit)
-    client.set_tag(run_id, KIND, "sweep")
-    client.set_tag(run_id, "mlflow.runName", "bpe-sweep-" + time.strftime("%Y%m%d-%H%M%S"))
+    run_id = start_pipeline_run(layout, params, flow_run_id=flow_run_id, git_commit=git_commit, start_ms=start_ms)
+    name = "bpe-sweep-" + time.strftime("%Y%m%d-%H%M%S", time.localtime((start_ms or time.time() * 1000) / 1000))
     experiment_id = client.get_run(run_id).info.experiment_id
-    for child in sweep_children(layout, params, sweep):
+    children = sweep_children(layout, params, sweep)
+    for child in children:
         log_child(client, experiment_id, run_id, child)
-    _log_batch(client, run_id, metrics=knee_metrics(sweep), tags={"knee": sweep.knee.name or "none",
-                                                                    "knee.reason": sweep.knee.reason[:5000]})
+    _log_batch(client, run_id, metrics=knee_metrics(sweep),
+               tags={KIND: "sweep", "mlflow.runName": name, NOTE: description(sweep),
+                     "knee": sweep.knee.name or "none", "knee.reason": sweep.knee.reason[:5000]})
     _log_files(client, run_id, {"bpe_sweep.json": dump_result(sweep)}, {})
     from qad_pipeline.tasks.bpe_sweep import plot_path
 
     if plot_path(layout).is_file():
         client.log_artifact(run_id, str(plot_path(layout)), "plots")
-    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
+    end_ms = max([c.end_ms for c in children] + [int(layout.bpe_sweep_metrics.stat().st_mtime * 1000)])
+    client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED), end_time=end_ms)
     return run_id
