@@ -275,7 +275,12 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     from qad_pipeline.flows.sweep import submit_sweep, sweep_ran  # it builds on this module
 
     recipes = {name: submit(job, "ptq", name, after=[calibration, baseline]) for name in params.ptq.recipes}
-    sweep = [submit_sweep(job, params, calibration, baseline, recipes)] if with_sweep(params) else []
+    if with_sweep(params):
+        sweep = [submit_sweep(job, params, calibration, baseline, recipes)]
+    elif layout.bpe_sweep_metrics.is_file():  # an earlier sweep's curve holds these recipes: it follows them
+        sweep = [submit(job, "bpe_sweep", after=[baseline, *map(allow_failure, recipes.values())])]
+    else:
+        sweep = []
     wait(list(recipes.values()) + sweep)
     seconds.update({STAGES["ptq"].summary_key(n): f.result() for n, f in recipes.items() if f.state.is_completed()})
     seconds["baseline+ptq (wall)"] = time.time() - started
@@ -288,10 +293,13 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     if baseline.state.name == "Cached":
         logger.info("baseline taken from cache (inputs unchanged)")
     ran = [("calibration", None), ("baseline", None), *(("ptq", n) for n in recipes if n not in failed)]
-    ran += sweep_ran(params, layout) if sweep else []
+    if with_sweep(params):
+        ran += sweep_ran(params, layout)
+    elif sweep and sweep[0].state.is_completed():
+        ran.append(("bpe_sweep", None))
 
     if sweep and not sweep[0].state.is_completed():
-        logger.warning("the BPE sweep failed; selecting among the recipes only")
+        logger.warning("the BPE sweep's curve failed; selecting among the recipes only")
     selection = submit(job, "selection", after=[baseline, *map(allow_failure, [*recipes.values(), *sweep])])
     seconds["selection"] = selection.result()
     ran.append(("selection", None))
@@ -301,7 +309,7 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
                "weight_error": weight_error_rows(layout, names),
                "failed": failed, "cached": cached, "baseline_cached": baseline.state.name == "Cached",
                "seconds": seconds, "root": str(layout.root)}
-    if sweep and layout.bpe_sweep_metrics.is_file():
+    if with_sweep(params) and layout.bpe_sweep_metrics.is_file():
         summary["sweep"] = dump_result(read_result(layout.bpe_sweep_metrics, BPESweep))
     publish_recipe_table(params, summary)
     if chosen.selected is not None and params.selection.policy == "qad":

@@ -3,6 +3,7 @@
     qad-pipeline run                                   # the demo model, params.yaml defaults
     qad-pipeline run --base-model org/model --set calibration.num_samples=1000
     qad-pipeline stage ptq nvfp4_max-mamba_fp8-kv_fp8  # one stage, as `dvc repro` runs it
+    qad-pipeline sweep --set 'sweep.budgets=[4.75, 5.0, 6.5]'  # the BPE sweep: AutoQuantize per budget, the knee
     qad-pipeline plan --set qad.seq_len=32768          # each stage's peak memory, before any weights load
 """
 

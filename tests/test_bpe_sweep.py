@@ -153,3 +153,17 @@ def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
     children = store.search_runs([store.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
     assert sorted(r.info.run_name for r in children) == ["sweep-5.0", "sweep-8.0"]
     assert (layout.bpe_sweep / "pareto.png").is_file()
+
+
+def test_kl_div_scoring_searches_to_the_budget_too():
+    """`method: kl_div` scores by the KL between unquantized and quantized logits (no backward)."""
+    from qad_pipeline.modeling import load_model, load_tokenizer
+
+    params = load_params()
+    model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
+    text = " ".join(p.read_text() for p in sorted((PROJECT_ROOT / "data" / "heldout").glob("*.txt"))[:2])
+    samples = tokenizer(text, return_tensors="pt").input_ids[0][: 4 * 64].reshape(4, 64)
+    spec = autoquant.load_recipe(SWEEP_RECIPE).model_copy(update={"method": "kl_div", "num_score_steps": 1})
+    state = autoquant.search(model, spec, samples, 4, budget=5.0)
+    assert state["method"] == "kl_div"
+    assert autoquant.bits_of(autoquant.layer_map(state)) == pytest.approx(autoquant.searched_bits(state)) <= 5.0
