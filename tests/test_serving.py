@@ -29,6 +29,7 @@ def export_tiny_llama(root, demo_model_path, tied: bool) -> tuple[dict, Layout, 
     """PTQ -> QAD -> export (serving check included) of a tiny random Llama; head size 32, the
     smallest vLLM's CPU attention takes. Returns (export metrics, layout, PTQ result)."""
     folder = root / "model"
+    torch.manual_seed(0)  # the same random weights whichever tests ran before in this process
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          tie_word_embeddings=tied)
