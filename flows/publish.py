@@ -74,4 +74,4 @@ def publish_sweep_table(params, sweep: dict) -> None:
     rows = [{k: "" if v is None else v for k, v in r.items()} for r in sweep_rows(sweep)]
     knee = sweep["knee"]
     create_table_artifact(key=artifact_key("bpe-sweep", params), table=rows,
-                          description=f"Knee: {knee['name'] or 'none'}. {knee['reason']}")
+                          description=f"Knee: {knee['reason']}")  # the reason starts with the knee's name

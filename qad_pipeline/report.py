@@ -224,7 +224,7 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
     if summary.sweep is not None:
         sweep = summary.sweep
         out += [*heading(f"BPE sweep of {sweep.recipe}"), *table(sweep_rows(sweep.model_dump(mode="json"))),
-                f"Knee: {sweep.knee.name or 'none'}. {_one_line(sweep.knee.reason)}", ""]
+                f"Knee: {_one_line(sweep.knee.reason)}", ""]
     if summary.qad is not None:
         q = summary.qad
         verdict = "beats" if q.qad_beats_ptq else "does NOT beat"
@@ -317,7 +317,7 @@ def sweep_rows(sweep: dict) -> list[dict]:
 def sweep_text(sweep: dict) -> str:
     knee = sweep.get("knee") or {}
     lines = [f"BPE sweep of {sweep.get('recipe')}", "", *text_table(sweep_rows(sweep)), "",
-             f"Knee: {knee.get('name') or 'none'}. {knee.get('reason', '')}",
+             f"Knee: {knee.get('reason', '')}",  # the reason starts with the knee's name
              f"Eval noise (widest half interval): {100 * sweep.get('noise', 0):.2f} points; curve monotone within it: "
              f"{'yes' if sweep.get('monotone_within_noise') else 'no'}."]
     if sweep.get("failed"):
