@@ -10,7 +10,10 @@ CI machine is not oversubscribed (two OpenMP threads on two busy cores ran the l
 
 Tolerances, from measurements on the demo model (TINY settings, float32, 6 steps):
 * loss per step, 2 processes vs 1: at most 1.4e-6 relative, ddp and fsdp alike (the gradients are
-  summed in another order); asserted within LOSS_RTOL = 1e-5.
+  summed in another order), until a weight that differs by rounding lands in the other NVFP4 bin of
+  the student's fake quantization: on an AMD EPYC (AVX-512) the sixth step's loss moved by 3.1e-5
+  that way, after five steps within 7e-7. Asserted within LOSS_RTOL = 1e-4: a wrong average or
+  shard would be off by orders of magnitude more.
 * the saved student (in the base model's BF16): the float32 weights differ by rounding only, so a
   BF16 weight may land one BF16 step (2**-7 relative) away; asserted within WEIGHT_RTOL = 2**-7.
 """
@@ -33,7 +36,7 @@ from tests.test_qad import stage_cmd
 
 pytestmark = pytest.mark.slow
 
-LOSS_RTOL = 1e-5
+LOSS_RTOL = 1e-4
 WEIGHT_RTOL = 2**-7
 # float32: bf16 autocast is several times slower on a CPU without native bf16; the comparison is the point.
 SETTINGS = ["qad.steps=6", "qad.checkpoint_every=2", "qad.compute_dtype=float32", "hardware.device=cpu"]
