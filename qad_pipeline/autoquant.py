@@ -141,13 +141,13 @@ def minimum_budget(spec: AutoQuantizeSpec, base_model=None) -> float:
     from transformers import AutoModelForCausalLM
 
     from qad_pipeline.modeling import load_config
+    from qad_pipeline.tasks.ptq import tied_embeddings
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(base_model), trust_remote_code=base_model.trust_remote_code)
-    tied = model.get_output_embeddings() is not None and \
-        model.get_output_embeddings().weight is model.get_input_embeddings().weight
     try:
-        search(model, spec, torch.zeros((1, 1), dtype=torch.long, device="meta"), 1, budget=bound, tied_lm_head=tied)
+        search(model, spec, torch.zeros((1, 1), dtype=torch.long, device="meta"), 1, budget=bound,
+               tied_lm_head=tied_embeddings(model))
     except ValueError as err:  # "... The minimum achievable effective bits is 4.6302."
         found = re.search(r"minimum achievable effective bits is ([0-9.]+\d)", str(err))
         if found:

@@ -51,8 +51,13 @@ class Layout:
 
     @property
     def bpe_sweep(self) -> Path:
-        """The sweep's Pareto plot."""
+        """The sweep's plot folder (`bpe_plot`)."""
         return self.root / "artifacts" / "bpe_sweep"
+
+    @property
+    def bpe_plot(self) -> Path:
+        """The sweep's Pareto plot."""
+        return self.bpe_sweep / "pareto.png"
 
     @property
     def bpe_sweep_metrics(self) -> Path:

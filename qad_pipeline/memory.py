@@ -162,14 +162,14 @@ def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool 
     the recipes' slots): `ptq.max_parallel`, or for `auto` as many as the free host memory holds
     (CPU), or one per visible GPU that holds one (CUDA; one at a time with `device_map: auto`, which
     spreads a recipe over all of them). At least 1: `check_fits` refuses one that does not fit at all."""
-    stages = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
+    per_item = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
     items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
     if params.ptq.max_parallel != "auto":
         return min(params.ptq.max_parallel, items)
     cap = cap or capacity(params.hardware)
     if cap.device == "cuda" and not cap.gpu_bytes:  # the recipes run on GPU workers, one each
         return items
-    peaks = [estimate(stage, params, cap) for stage in stages]
+    peaks = [estimate(stage, params, cap) for stage in per_item]
     fit = min(items, cap.host_bytes // max(e.host_bytes for e in peaks))
     if cap.device == "cuda" and cap.gpu_bytes:
         per_gpu = 1 if params.hardware.device_map == "auto" else _gpus_holding(max(e.device_bytes for e in peaks), cap)

@@ -13,7 +13,6 @@ every point labelled).
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 
 from qad_pipeline.artifacts import read_json, staged_dir
 from qad_pipeline.config import Params
@@ -21,9 +20,6 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.results import (BaselineMetrics, BPECurve, BPESweep, Knee, RecipeMetrics, RecoveryPoint,
                                   SweepPoint, SweepSearch, read_result, write_result)
 from qad_pipeline.tasks.selection import recipe_metrics
-
-PLOT = "pareto.png"
-
 
 def _pts(x: float) -> str:
     return f"{100 * x:.2f}"
@@ -119,7 +115,7 @@ def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
         RecoveryPoint(recipe=p.name, effective_bpe=p.effective_bpe, median_recovery=p.median_recovery,
                       ci_low=p.median_recovery_ci[0], ci_high=p.median_recovery_ci[1]) for p in [*points, *fixed]]))
     with staged_dir(layout.bpe_sweep) as tmp:
-        bpe_sweep_plot(sweep, tmp / PLOT)
+        bpe_sweep_plot(sweep, tmp / layout.bpe_plot.name)
     return sweep
 
 
@@ -128,6 +124,3 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     sweep = run_bpe_sweep(params, layout)
     return f"bpe_sweep: knee {sweep.knee.name}: {sweep.knee.reason}"
 
-
-def plot_path(layout: Layout) -> Path:
-    return layout.bpe_sweep / PLOT

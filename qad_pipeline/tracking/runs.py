@@ -277,7 +277,7 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
         if report:
             client.log_text(run_id, redact_text(report), "report.txt")
-        pareto = layout.bpe_sweep / "pareto.png"  # the BPE sweep's, when the run swept first
+        pareto = layout.bpe_plot  # the BPE sweep's, when the run swept first
         for png in [*sorted((layout.metrics / "plots").glob("*.png")),
                     *([pareto] if params.selection.sweep != "none" and pareto.is_file() else [])]:
             client.log_artifact(run_id, str(png), "plots")

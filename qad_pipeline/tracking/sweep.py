@@ -84,14 +84,12 @@ def log_sweep(layout: Layout, params: Params, *, flow_run_id: str | None, git_co
     children = sweep_children(layout, params, sweep)
     for child in children:
         log_child(client, experiment_id, run_id, child)
-    _log_batch(client, run_id, metrics=knee_metrics(sweep),
-               tags={KIND: "sweep", "mlflow.runName": name, NOTE: description(sweep),
-                     "knee": sweep.knee.name or "none", "knee.reason": sweep.knee.reason[:5000]})
-    _log_files(client, run_id, {"bpe_sweep.json": dump_result(sweep)}, {})
-    from qad_pipeline.tasks.bpe_sweep import plot_path
-
-    if plot_path(layout).is_file():
-        client.log_artifact(run_id, str(plot_path(layout)), "plots")
+    curve = bpe_sweep_child(layout, sweep)  # its knee metrics, tags and bpe_sweep.json go on the parent
+    _log_batch(client, run_id, metrics=curve.metrics,
+               tags={KIND: "sweep", "mlflow.runName": name, NOTE: description(sweep), **curve.tags})
+    _log_files(client, run_id, curve.dicts, {})
+    if layout.bpe_plot.is_file():
+        client.log_artifact(run_id, str(layout.bpe_plot), "plots")
     end_ms = max([c.end_ms for c in children] + [int(layout.bpe_sweep_metrics.stat().st_mtime * 1000)])
     client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED), end_time=end_ms)
     return run_id
