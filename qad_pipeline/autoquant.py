@@ -128,16 +128,27 @@ def minimum_bits(spec: AutoQuantizeSpec) -> float:
     return min(16 * estimate_quant_compression(QuantizeConfig(**_format_config(f))) for f in spec.formats)
 
 
+_MINIMUMS: dict[tuple[str, str], float] = {}  # per process: preflight and the stage ask the same
+
+
 def minimum_budget(spec: AutoQuantizeSpec, base_model=None) -> float:
     """The smallest budget this model allows: Model Optimizer's own feasibility check, run on the
     model built on the meta device (no weight is read, nothing is calibrated). It counts the layers
     that cannot take a candidate (kept in BF16, convolutions) at 16 bits, so it is above the
-    formats' bound (`minimum_bits`). Without a model, the formats' bound."""
-    import re
-
+    formats' bound (`minimum_bits`). Without a model, the formats' bound. Computed once per
+    process for a recipe and a model."""
     bound = minimum_bits(spec)
     if base_model is None:
         return bound
+    key = (spec.model_dump_json(exclude={"effective_bits"}), base_model.model_dump_json())
+    if key not in _MINIMUMS:
+        _MINIMUMS[key] = _feasibility_minimum(spec, base_model, bound)
+    return _MINIMUMS[key]
+
+
+def _feasibility_minimum(spec: AutoQuantizeSpec, base_model, bound: float) -> float:
+    import re
+
     from transformers import AutoModelForCausalLM
 
     from qad_pipeline.modeling import load_config

@@ -24,7 +24,8 @@ environment (`QAD_VLLM_ENV`, default `.venv-vllm` in the project folder) and run
 
 On CPU the full level needs `serving/vllm_cpu_plugin` (vLLM's own NVFP4 emulation kernel registered
 for the CPU), which `setup-vllm` installs; on a GPU machine the same command runs CUDA vLLM and
-no plugin is used.
+no plugin is used. A KV-cache dtype vLLM's CPU attention does not implement (NVFP4 anywhere, FP8
+without AVX-512 or AMX) is served in BF16 there, and the result says so (`kv_cache_fallback`).
 """
 
 from __future__ import annotations

@@ -101,23 +101,45 @@ def config_check(folder: Path, max_model_len: int) -> dict:
             "layers": layers, "problems": problems, "passed": not problems}
 
 
-def full_check(folder: Path, prompts: list[list[int]], k: int, max_model_len: int) -> dict:
-    """vLLM's prompt log-probs. Where this CPU cannot run the checkpoint's quantized KV cache (vLLM's
-    CPU build needs AVX-512 or AMX for it), the weights are still checked, with a BF16 KV cache,
-    and the result says so: the KV-cache format is then checked at the config level only."""
+def cpu_kv_cache_limit(kv_cache_dtype: str) -> str | None:
+    """Why vLLM's CPU attention cannot hold this KV-cache dtype, or None (also on a GPU).
+
+    vLLM's CPU platform does not check the dtype against its attention backend: an `nvfp4` KV cache
+    is accepted on an AVX-512 CPU and then run by kernels that implement the FP8 formats only (the
+    backend's own `supported_kv_cache_dtypes`), so what is served is not NVFP4. The backend's list
+    decides here, before anything loads."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or kv_cache_dtype in ("auto", "bfloat16", "float16"):
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if CPUAttentionBackend.supports_kv_cache_dtype(kv_cache_dtype):
+        return None
+    return (f"vLLM's CPU attention backend runs KV caches in {', '.join(CPUAttentionBackend.supported_kv_cache_dtypes)}"
+            f", not {kv_cache_dtype}")
+
+
+def full_check(folder: Path, prompts: list[list[int]], k: int, max_model_len: int, kv_cache_dtype: str) -> dict:
+    """vLLM's prompt log-probs. Where this machine cannot run the checkpoint's quantized KV cache
+    (vLLM's CPU build needs AVX-512 or AMX for FP8 and has no NVFP4 KV-cache kernel), the weights are
+    still checked, with a BF16 KV cache, and the result says so: the KV-cache format is then
+    checked at the config level only."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     settings = dict(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_logprobs=k, seed=0,
                     enforce_eager=True, max_num_seqs=len(prompts))
-    kv_fallback = None
+    kv_fallback = cpu_kv_cache_limit(kv_cache_dtype)
+    if kv_fallback:
+        settings["kv_cache_dtype"] = "bfloat16"
     try:
         llm = LLM(**settings)
     except NotImplementedError as err:
         if "KV cache" not in str(err):
             raise
         kv_fallback = str(err)
-        llm = LLM(**settings, kv_cache_dtype="bfloat16")
+        llm = LLM(**{**settings, "kv_cache_dtype": "bfloat16"})
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k), use_tqdm=False)
     positions = []
@@ -160,7 +182,8 @@ def main() -> int:
     out["config"] = config_check(folder, request["max_model_len"])
     if request["level"] in ("auto", "full") and out["config"]["quantization"] is not None:
         try:
-            out["full"] = full_check(folder, request["prompts"], request["logprobs"], request["max_model_len"])
+            out["full"] = full_check(folder, request["prompts"], request["logprobs"], request["max_model_len"],
+                                     out["config"]["kv_cache_dtype"])
         except Exception as err:  # noqa: BLE001  (reported to the project side, which decides)
             text = "".join(traceback.format_exception_only(type(err), err)).strip()
             out["full_error"] = text[-2000:]

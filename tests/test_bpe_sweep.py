@@ -69,6 +69,20 @@ def test_budget_below_what_the_model_allows_is_refused_with_the_minimum():
     autoquant.check_recipe(SWEEP_RECIPE, [low, 8.0], params.base_model)  # at the minimum: accepted
 
 
+def test_minimum_budget_is_computed_once_per_recipe_and_model(monkeypatch):
+    """Preflight and the stage in one process ask for the same minimum: the meta-model check runs once
+    (the budget itself is not part of it); another model or other formats are checked again."""
+    params = load_params()
+    spec = autoquant.load_recipe(SWEEP_RECIPE)
+    low = autoquant.minimum_budget(spec, params.base_model)
+    calls = []
+    monkeypatch.setattr(autoquant, "_feasibility_minimum", lambda *args: calls.append(args) or 7.0)
+    assert autoquant.minimum_budget(spec.model_copy(update={"effective_bits": 8.0}), params.base_model) == low
+    assert calls == []
+    assert autoquant.minimum_budget(spec.model_copy(update={"formats": ["FP8_DEFAULT_CFG"]}), params.base_model) == 7.0
+    assert len(calls) == 1
+
+
 def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
     """AutoQuantize on the demo model at 5.0 bits, exported by Model Optimizer as MIXED_PRECISION:
     each layer's chosen format is what its exported tensors hold, Model Optimizer's count is the
