@@ -109,8 +109,9 @@ def cpu_kv_cache_limit(kv_cache_dtype: str) -> str | None:
     backend's own `supported_kv_cache_dtypes`), so what is served is not NVFP4. The backend's list
     decides here, before anything loads."""
     from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import is_quantized_kv_cache
 
-    if not current_platform.is_cpu() or kv_cache_dtype in ("auto", "bfloat16", "float16"):
+    if not current_platform.is_cpu() or not is_quantized_kv_cache(kv_cache_dtype):
         return None
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -21,6 +21,7 @@ from qad_pipeline.results import (BaselineMetrics, BPECurve, BPESweep, Knee, Rec
                                   SweepPoint, SweepSearch, read_result, write_result)
 from qad_pipeline.tasks.selection import recipe_metrics
 
+
 def _pts(x: float) -> str:
     return f"{100 * x:.2f}"
 
@@ -123,4 +124,3 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     """The sweep's curve and knee: `qad-pipeline stage bpe_sweep`."""
     sweep = run_bpe_sweep(params, layout)
     return f"bpe_sweep: knee {sweep.knee.name}: {sweep.knee.reason}"
-

@@ -76,6 +76,7 @@ def test_minimum_budget_is_computed_once_per_recipe_and_model(monkeypatch):
     spec = autoquant.load_recipe(SWEEP_RECIPE)
     low = autoquant.minimum_budget(spec, params.base_model)
     calls = []
+    monkeypatch.setattr(autoquant, "_MINIMUMS", dict(autoquant._MINIMUMS))  # the stand-in's 7.0 stays in this test
     monkeypatch.setattr(autoquant, "_feasibility_minimum", lambda *args: calls.append(args) or 7.0)
     assert autoquant.minimum_budget(spec.model_copy(update={"effective_bits": 8.0}), params.base_model) == low
     assert calls == []
