@@ -7,7 +7,7 @@ It imports only vLLM (and what vLLM brings), never the project: the project and 
 transformers releases, so they live in two environments and talk through two JSON files.
 
 REQUEST: {"level": "auto" | "full" | "config", "prompts": [[token ids], ...], "logprobs": K,
-          "max_model_len": N}
+          "max_model_len": N, "view": "w4a4" | "w4a16"}
 OUT:     {"vllm_version", "config": {...}, "full": {...} | null, "full_error": str | null}
 
 config  what vLLM's own loader decides for this checkpoint, without loading weights: the
@@ -17,14 +17,20 @@ config  what vLLM's own loader decides for this checkpoint, without loading weig
         whether vLLM's quantization config quantizes it, with which algorithm, and whether that
         matches the format stored.
 full    `vllm.LLM` loads the checkpoint and returns each prompt's top-K prompt log-probs.
+
+view    w4a4: the checkpoint as stored. w4a16: a copy (links to the same weight files) whose NVFP4
+        algorithm reads `W4A16_NVFP4`, so vLLM runs every NVFP4 layer with BF16 activations, as it
+        does on a GPU without FP4 tensor cores (Hopper).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -173,12 +179,44 @@ def serve_args(command: str) -> dict:
             "kv_cache_dtype": resolve_kv_cache_dtype_string(args.kv_cache_dtype, model_config)}
 
 
+def as_w4a16(value):
+    """A quantization config with every NVFP4 algorithm read as W4A16_NVFP4 (activations in BF16)."""
+    if isinstance(value, list):
+        return [as_w4a16(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: ("W4A16_NVFP4" if k == "quant_algo" and v == "NVFP4" else as_w4a16(v)) for k, v in value.items()}
+    if (out.get("weights") or {}).get("num_bits") == 4:  # a compressed-tensors style group of NVFP4 weights
+        out.pop("input_activations", None)
+    return out
+
+
+def w4a16_copy(folder: Path, dest: Path) -> Path:
+    """`folder` served as W4A16: links to its files, its two quantization configs rewritten."""
+    for file in folder.iterdir():
+        if file.name not in ("hf_quant_config.json", "config.json"):
+            os.symlink(file.resolve(), dest / file.name)
+    for name, key in (("hf_quant_config.json", "quantization"), ("config.json", "quantization_config")):
+        data = json.loads((folder / name).read_text())
+        if key in data:
+            data[key] = as_w4a16(data[key])
+        (dest / name).write_text(json.dumps(data, indent=1))
+    return dest
+
+
 def main() -> int:
     if sys.argv[1] == "--serve-args":
         print(json.dumps(serve_args(sys.argv[2])))
         return 0
     folder, request_file, out_file = (Path(a) for a in sys.argv[1:4])
     request = json.loads(request_file.read_text())
+    if request.get("view") == "w4a16":
+        with tempfile.TemporaryDirectory(prefix="qad-w4a16-") as tmp:
+            return check(w4a16_copy(folder, Path(tmp)), request, out_file)
+    return check(folder, request, out_file)
+
+
+def check(folder: Path, request: dict, out_file: Path) -> int:
     out: dict = {"config": None, "full": None, "full_error": None, "platform_limit": False}
     out["config"] = config_check(folder, request["max_model_len"])
     if request["level"] in ("auto", "full") and out["config"]["quantization"] is not None:

@@ -10,11 +10,21 @@ b. size: effective bits per element and bytes, computed from the safetensors the
    what the recipe implies (within 1 %); the size ratio versus BF16 is reported;
 c. reload: the exported weights, unpacked and dequantized with Model Optimizer's NVFP4 code and
    loaded into a plain BF16 model by transformers, reproduce the student's next-token
-   distribution within a mean KL of 1e-3 nats per token (weights-only view: activation and KV
-   quantizers off on the student, as a W4A16 server runs it);
-d. serving: a real vLLM, in its own pinned environment, loads the checkpoint (`qad_pipeline.serving`):
+   distribution (weights-only view: activation and KV quantizers off on the student) within a mean
+   KL of max(1e-3, 2 x the student's own implementation noise in that view: its sdpa-vs-eager KL,
+   see `qad_pipeline.serving`). What remains is Model Optimizer's two NVFP4 code paths breaking
+   exact rounding ties differently: its fake-quant kernel divides by a block scale as
+   `x * fl(1/s)`, its export as `x / s`, and a value exactly on an FP4 or FP8 rounding midpoint
+   (frequent in BF16 weights, whose 8-bit mantissas make exact ratios common) can land on either
+   side: 0.2 % of SmolLM2-135M's MLP weights, KL 0.0021, with the noise at 0.0019;
+d. lint, before anything is read back: every scale tensor finite and > 0 (weight block scales,
+   global scales, input scales, KV scales), every NVFP4 weight packed as uint8 with its FP8 block
+   scales and FP32 global scale, each input scale the student's calibrated one, and no layer
+   the quantization config names without tensors (nor the reverse: `check_formats`);
+e. serving: a real vLLM, in its own pinned environment, loads the checkpoint (`qad_pipeline.serving`):
    at the `full` level its prompt log-probs on held-out windows agree with the student's, which this
-   stage writes beside the weights (`serving_reference.npz`); where vLLM cannot run the architecture
+   stage writes beside the weights (`serving_reference.npz`), served as W4A16 (Hopper) and as stored
+   (Blackwell), each within twice the student's own implementation noise (`qad_pipeline.serving`); where vLLM cannot run the architecture
    on this device, vLLM's config-level acceptance (`config`). `export.serving_check: skip` leaves it out, and says so in the metrics.
 
 The checkpoint is written into a temporary folder and moved into place only when every check
@@ -44,7 +54,8 @@ from qad_pipeline.results import ExportMetrics, ServingCheck, ServingNotes, dump
 
 MANIFEST = "export_manifest.json"
 BPE_TOLERANCE = 0.01  # relative
-KL_TOLERANCE = 1e-3  # nats per token; NVFP4 PTQ itself costs ~1e-2 on the demo model
+KL_TOLERANCE = 1e-3  # nats per token: the reload check's floor (its threshold scales with the student's noise)
+NOISE_FACTOR = 2.0
 FORMAT_OF_ALGO = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8", "W4A8_NVFP4_FP8": "nvfp4"}
 
 
@@ -191,39 +202,74 @@ def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor], trust_rem
 
 
 @torch.no_grad()
-def weight_only_logits(student, batch: torch.Tensor) -> torch.Tensor:
-    """The student's logits with only its weight quantizers on (activation and KV quantizers off
-    for this forward only; they are switched back on afterwards, untouched)."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    switched = [m for n, m in student.named_modules()
-                if isinstance(m, TensorQuantizer) and m.is_enabled and not n.endswith("weight_quantizer")
-                and "weight_quantizers." not in n]
-    for q in switched:
-        q.disable()
-    try:
-        return student(input_ids=batch).logits.float()
-    finally:
-        for q in switched:
-            q.enable()
-
-
-@torch.no_grad()
 def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor,
-                 trust_remote_code: bool = False) -> dict:
+                 noise: float, trust_remote_code: bool = False) -> dict:
     """(c) The reloaded export reproduces the student's weight-only next-token distribution.
 
     Judged by the mean KL divergence per token (and reported with top-1 agreement and the largest
-    logit difference): the export re-derives some global scales from the weights where the
-    fake-quantized student uses its calibrated ones, so it is close to, not bit-equal with, it.
+    logit difference) against max(KL_TOLERANCE, NOISE_FACTOR x `noise`, the student's own
+    sdpa-vs-eager KL in this view): exact FP4/FP8 rounding ties fall differently in Model
+    Optimizer's fake-quant kernel and its export (module docstring), so it is close to, not
+    bit-equal with, the student.
     """
     reloaded = reload_dequantized(folder, tensors, trust_remote_code)(input_ids=batch).logits.float()
     ref_lp, got_lp = torch.log_softmax(reference, -1), torch.log_softmax(reloaded, -1)
     kl = (ref_lp.exp() * (ref_lp - got_lp)).sum(-1).mean().item()
-    return {"passed": kl <= KL_TOLERANCE, "kl_divergence": kl, "tolerance": KL_TOLERANCE,
+    tolerance = max(KL_TOLERANCE, NOISE_FACTOR * noise)
+    return {"passed": kl <= tolerance, "kl_divergence": kl, "tolerance": tolerance, "student_noise": noise,
             "top1_agreement": (reference.argmax(-1) == reloaded.argmax(-1)).float().mean().item(),
             "max_abs_logit_diff": (reloaded - reference).abs().max().item(),
             "compared": "student with weight quantizers only vs dequantized export, bf16, mean KL per token"}
+
+
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "k_scale", "v_scale")
+
+
+def lint(tensors: dict[str, torch.Tensor], input_scales: dict[str, float]) -> dict:
+    """(d) The failures users report of NVFP4 checkpoints that load but serve wrongly, one line per
+    tensor: a scale that is zero, negative, NaN or infinite (an MoE expert calibration never routed
+    to, exported with a zero input scale, gives NaN in vLLM); an NVFP4 weight without its FP8 block
+    scales or FP32 global scale, or block scales that do not cover it; an input scale that is not
+    the student's calibrated one (`input_scales`: module -> amax / (6 x 448), or amax / 448 for FP8)."""
+    problems = []
+    for name, t in tensors.items():
+        if name.rsplit(".", 1)[-1] in SCALE_SUFFIXES:
+            bad = ~torch.isfinite(t.float()) | (t.float() <= 0)
+            if bool(bad.any()):
+                problems.append(f"{name}: {int(bad.sum())} of {t.numel()} scale values are not finite and > 0")
+    for name, t in tensors.items():
+        if not name.endswith(".weight") or tensor_format(name, tensors) != "nvfp4":
+            continue
+        base = name.removesuffix(".weight")
+        block, glob = tensors.get(f"{base}.weight_scale"), tensors.get(f"{base}.weight_scale_2")
+        if glob is None or glob.dtype != torch.float32:
+            problems.append(f"{base}.weight_scale_2: the NVFP4 weight's FP32 global scale is missing or not float32")
+        if block.dtype != torch.float8_e4m3fn or block.shape[-1] * 8 != t.shape[-1]:
+            problems.append(f"{base}.weight_scale: {block.dtype} {tuple(block.shape)} does not hold one FP8 scale "
+                            f"per 16 elements of the packed weight {tuple(t.shape)}")
+    for module, expected in input_scales.items():
+        stored = tensors.get(f"{module}.input_scale")
+        if stored is None:
+            problems.append(f"{module}.input_scale: missing, the student quantizes this layer's input")
+        elif not torch.allclose(stored.float().max(), torch.tensor(expected), rtol=1e-6, atol=0.0):
+            problems.append(f"{module}.input_scale: {stored.float().max().item():.6g}, the student's calibrated "
+                            f"scale is {expected:.6g}")
+    return {"passed": not problems, "problems": problems[:20], "problem_count": len(problems)}
+
+
+def student_input_scales(student) -> dict[str, float]:
+    """module name -> the input scale the export must write for it: the calibrated amax of its
+    enabled NVFP4 (amax / (6 x 448)) or FP8 (amax / 448) input quantizer."""
+    scales = {}
+    for name, module in student.named_modules():
+        q = getattr(module, "input_quantizer", None)
+        if q is None or not getattr(q, "is_enabled", False) or getattr(q, "amax", None) is None or q.amax.numel() != 1:
+            continue
+        if q.num_bits == (2, 1):
+            scales[name] = float(q.amax.float() / (6 * 448))
+        elif q.num_bits == (4, 3):
+            scales[name] = float(q.amax.float() / 448)
+    return scales
 
 
 # -- the stage ----------------------------------------------------------------------------------
@@ -346,8 +392,9 @@ def run_export(params: Params, layout: Layout) -> dict:
     import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.export import export_hf_checkpoint
 
-    from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-    from qad_pipeline.serving import held_out_prompts, reference_bytes, served_logits, write_reference
+    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.serving import (held_out_prompts, implementation_noise, reference_bytes, student_reference,
+                                      view_logits, write_reference)
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
 
@@ -360,11 +407,14 @@ def run_export(params: Params, layout: Layout) -> dict:
     windows = load_ppl_windows(layout.data)
     batch = torch.from_numpy(windows[:2])
     # before export: it packs the weights in place
-    reference = weight_only_logits(student, batch.to(input_device(student))).cpu()
+    reference = view_logits(student, batch, "weights")
+    noise = implementation_noise(student, batch, "weights", reference)
     prompts = held_out_prompts(windows)
-    served = served_logits(student, prompts)
+    served = student_reference(student, prompts)
+    input_scales = student_input_scales(student)
 
-    check_free_space(layout, expected["size_bytes"] + reference_bytes(served) + tokenizer_bytes(params))
+    check_free_space(layout, expected["size_bytes"] + tokenizer_bytes(params)
+                     + reference_bytes(len(prompts), len(prompts[0]), student.config.vocab_size))
     with disk_full_is_reported(layout), staged_dir(layout.export) as tmp:
         export_hf_checkpoint(student, export_dir=tmp)
         repaired = repair_layer_names(tmp)
@@ -374,7 +424,8 @@ def run_export(params: Params, layout: Layout) -> dict:
         checks = {
             "formats": check_formats(expected["layer_formats"], tensors, quant_config),
             "size": check_size(expected["effective_bpe"], tensors),
-            "reload": check_reload(tmp, tensors, reference, batch, params.base_model.trust_remote_code),
+            "lint": lint(tensors, input_scales),
+            "reload": check_reload(tmp, tensors, reference, batch, noise, params.base_model.trust_remote_code),
         }
         write_reference(tmp, prompts, served)
         serving_check = check_serving(params, tmp)

@@ -164,6 +164,23 @@ def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: 
     return mtq.quantize(model, quantize_config(model, recipe_path), calibration_loop(samples, batch_size))
 
 
+def share_fused_scales(model) -> None:
+    """Give the layers a server fuses into one GEMM (q/k/v, gate/up: the linears that read the same
+    input) one global weight scale and one input scale, the largest of theirs, as Model Optimizer's
+    export does (`requantize_resmooth_fused_llm_layers`, the same call) and as vLLM needs (it keeps
+    one global scale per fused layer).
+
+    Done right after calibration, so the model that is evaluated, selected and distilled is the
+    one the export writes. Left to the export alone, it re-derived the FP8 block scales of every
+    layer whose global scale was not the largest of its group: on SmolLM2-135M with the max recipe
+    86 % of `up_proj`'s weights took other FP4 values than the evaluated model's, and the export
+    was KL 0.037 nats/token away from the model the pipeline measured (0.0021 with this call)."""
+    from modelopt.torch.export.unified_export_hf import requantize_resmooth_fused_llm_layers
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints each fused group on some models
+        requantize_resmooth_fused_llm_layers(model)
+
+
 def quantized_weights(model):
     """(name, weight, its enabled weight quantizer) for every quantized weight: Model Optimizer's
     `iter_weights_for_calibration` pairs, one per linear layer and one per expert of fused MoE
@@ -299,6 +316,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
                                        budget, search_state)
     else:
         quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size)
+    share_fused_scales(model)
     quantize_s = time.time() - t0
     sizes = size_report(model)
     weight_error = weight_errors(model)

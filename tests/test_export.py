@@ -13,8 +13,8 @@ from qad_pipeline.tasks.export import (
     check_size,
     check_target,
     read_tensors,
-    weight_only_logits,
 )
+from qad_pipeline.serving import implementation_noise, view_logits
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 
@@ -30,7 +30,8 @@ def exported(pipeline_run):
         "tensors": read_tensors(layout.export),
         "config": read_json(layout.export / "hf_quant_config.json"),
         "expected": size_report(student),
-        "reference": weight_only_logits(student, batch),
+        "reference": (reference := view_logits(student, batch, "weights")),
+        "noise": implementation_noise(student, batch, "weights", reference),
         "batch": batch,
     }
 
@@ -44,7 +45,7 @@ def test_real_export_passes_all_checks(exported):
     e = exported
     assert check_formats(e["expected"]["layer_formats"], e["tensors"], e["config"])["passed"]
     assert check_size(e["expected"]["effective_bpe"], e["tensors"])["passed"]
-    assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"])["passed"]
+    assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"], e["noise"])["passed"]
     assert e["expected"]["layer_formats"]["lm_head.weight"] == "nvfp4"
 
 
@@ -81,7 +82,7 @@ def test_reload_check_catches_wrong_scales(exported):
     tensors = dict(e["tensors"])
     layer = nvfp4_layer(tensors)
     tensors[f"{layer}.weight_scale_2"] = tensors[f"{layer}.weight_scale_2"] * 4
-    assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"])["passed"]
+    assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"], e["noise"])["passed"]
 
 
 def test_export_target_holding_another_checkpoint_is_refused(exported, tmp_path):
