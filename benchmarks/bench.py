@@ -11,9 +11,13 @@ Prints, on the bundled demo model with the params.yaml defaults:
     against a real local Prefect server (`prefect deployment run qad-pipeline/default`);
   * `llama`: the whole DAG with params.yaml's defaults (`ptq.max_parallel: auto` included) on a
     ~100M-parameter Llama with a 32K vocabulary built from a config (benchmarks/models.py), with
-    each stage's wall time and measured peak memory against the memory plan's estimate.
+    each stage's wall time and measured peak memory against the memory plan's estimate;
+  * `real`: the whole DAG with the defaults on a real pretrained model, SmolLM2-135M-Instruct
+    (benchmarks/real_model.py; `selection.band=[0.5, 0.99]`: a 135M model loses far more than 5 %
+    to W4A4), then every PTQ recipe's checkpoint exported through the same checks
+    (`export.source=ptq/<recipe>`): per recipe and for the QAD student, the export checks' figures.
 
-`--parts flow dvc workers llama` picks parts (default: all). `--llama-set section.key=value`
+`--parts flow dvc workers llama real` picks parts (default: all but real). `--llama-set section.key=value`
 (repeatable) adds overrides to the `llama` run, e.g. `eval.limit=50` to fit a 2-core machine's
 session (the item count per task changes the eval's length, not its peak memory).
 """
@@ -117,7 +121,7 @@ def recipes_on_workers(root: Path, workers: int, recipes: list[str]) -> tuple[fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-root", type=Path, default=None)
-    ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers", "llama"],
+    ap.add_argument("--parts", nargs="+", choices=["flow", "dvc", "workers", "llama", "real"],
                     default=["flow", "dvc", "workers", "llama"])
     ap.add_argument("--llama-set", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra override for the llama run (repeatable)")
@@ -138,6 +142,8 @@ def main() -> None:
             print(f"{workers} worker(s): recipes {wall:8.1f} s   whole run (to selection) {whole:8.1f} s")
     if "llama" in args.parts:
         llama_dag(root, args.llama_set)
+    if "real" in args.parts:
+        real_model_exports(root)
 
 
 def llama_dag(root: Path, extra: list[str]) -> None:
@@ -167,6 +173,52 @@ def llama_dag(root: Path, extra: list[str]) -> None:
         print(f"{usage['stage']:<42} {usage['seconds']:8.1f} {planned:9.0f} {usage['peak_rss_mb']:9.0f} "
               f"{usage['peak_rss_mb'] / planned:9.2f}")
     print(f"failed: {summary['failed'] or 'none'}; selected: {summary['selection']['selected']}")
+
+
+def real_model_exports(root: Path) -> None:
+    """The whole DAG on SmolLM2-135M with the defaults, then each PTQ recipe's export; one table."""
+    from qad_pipeline.results import ExportMetrics, PTQAlias
+    from qad_pipeline.tasks.export import run_export
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from real_model import build_real_model
+
+    model = build_real_model()
+    overrides = [f"base_model.path={model}", "selection.band=[0.5, 0.99]"]
+    started = time.perf_counter()
+    summary = run_flow(root / "real", overrides)
+    print(f"\n== whole DAG, SmolLM2-135M-Instruct (params.yaml defaults, {' '.join(overrides[1:])}): "
+          f"{time.perf_counter() - started:.0f} s; selected {summary['selection']['selected']} ==")
+    rows = {"qad": summary.get("export")}
+    for recipe in load_params(overrides=overrides).ptq.recipes:
+        if isinstance(read_result(Layout(root / "real").ptq(recipe) / "scores.json", PTQResult, missing_ok=True),
+                      PTQAlias):
+            continue
+        each = root / f"real-export-{recipe}"  # its own out-root: the run's data and checkpoints, linked
+        (each / "artifacts").mkdir(parents=True, exist_ok=True)
+        for folder in ("calibration", "ptq"):
+            if not (each / "artifacts" / folder).exists():
+                (each / "artifacts" / folder).symlink_to(root / "real" / "artifacts" / folder)
+        try:
+            rows[f"ptq/{recipe}"] = run_export(load_params(overrides=[*overrides, f"export.source=ptq/{recipe}"]),
+                                               Layout(each))
+        except Exception as err:  # noqa: BLE001  (a failed check is a row of the table)
+            rows[f"ptq/{recipe}"] = read_result(Layout(each).export_metrics, ExportMetrics, missing_ok=True)
+            rows[f"ptq/{recipe}"] = rows[f"ptq/{recipe}"].model_dump() if rows[f"ptq/{recipe}"] else {"error": str(err)}
+    print(f"{'exported':<42} {'reload KL (max)':>17} {'w4a16 KL (max)':>17} {'top-1':>6} {'w4a4 KL (max)':>17} "
+          f"{'top-1':>6} {'passed':>6}")
+    for name, export in rows.items():
+        if not export or "checks" not in export:
+            print(f"{name:<42} {(export or {}).get('error', 'no export')[:80]}")
+            continue
+        reload, views = export["checks"]["reload"], export["checks"].get("serving", {}).get("views", {})
+
+        def figure(view: dict) -> str:
+            return f"{view['kl_divergence']:.4f} ({view['kl_divergence_max']:.4f}) {view['top1_agreement'] or 0:6.3f}" \
+                if view else f"{'-':>17} {'-':>6}"
+
+        print(f"{name:<42} {reload['kl_divergence']:.4f} ({reload['tolerance']:.4f}) {figure(views.get('w4a16')):>24} "
+              f"{figure(views.get('w4a4')):>24} {str(export['passed']):>6}")
 
 
 def flow_figures(root: Path, params) -> None:

@@ -3,8 +3,9 @@
     calibration ── baseline (BF16 eval + reference) ── ptq × 5 recipes, in parallel ── selection
                                                           ── qad ── final_eval ── export
 
-With `selection.policy: ptq_final` the flow ends at selection (PTQ is the last step); when no
-recipe qualifies it ends there too, and the report says why. With `selection.sweep: knee` (or
+With `selection.policy: ptq_final` (PTQ is the last step) the selected PTQ recipe goes straight
+to the export, through the same checks; when no recipe qualifies the flow ends at selection, and
+the report says why. With `selection.sweep: knee` (or
 `all`) the BPE sweep's stages (sweep_search, sweep × budgets, bpe_sweep; `flows/sweep.py`) run
 beside the recipes, and its knee (or every point) is a candidate in selection.
 
@@ -263,8 +264,8 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     """The stages, each a task run waiting for the ones it reads (the edges of the Prefect graph).
 
     A failed calibration or baseline fails the flow; a failed recipe fails alone and selection
-    goes on among the others. QAD, final_eval and export follow when a recipe was selected and
-    the policy is `qad`. Returns the run summary and the (stage, recipe) pairs that completed.
+    goes on among the others. When a recipe was selected, QAD and final_eval follow (policy `qad`),
+    then the export of what is final (`ptq_final`: the selected recipe). Returns the run summary and the (stage, recipe) pairs that completed.
     """
     layout, logger = job.layout, get_run_logger()
     calibration = submit(job, "calibration")
@@ -312,13 +313,15 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     if with_sweep(params) and layout.bpe_sweep_metrics.is_file():
         summary["sweep"] = dump_result(read_result(layout.bpe_sweep_metrics, BPESweep))
     publish_recipe_table(params, summary)
-    if chosen.selected is not None and params.selection.policy == "qad":
+    if chosen.selected is not None:  # QAD and final_eval with policy qad; export of whatever is final
         upstream = selection
-        for stage in ("qad", "final_eval", "export"):
-            upstream = submit(job, stage, after=[upstream])
-            seconds[stage] = upstream.result()
-            ran.append((stage, None))
-        summary["qad"] = dump_result(read_result(layout.qad_metrics, QADMetrics))
+        for stage, declared in STAGES.items():
+            if declared.after_selection and (params.selection.policy == "qad" or not declared.qad_only):
+                upstream = submit(job, stage, after=[upstream])
+                seconds[stage] = upstream.result()
+                ran.append((stage, None))
+        if params.selection.policy == "qad":
+            summary["qad"] = dump_result(read_result(layout.qad_metrics, QADMetrics))
         summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
     publish_report(params, summary)
     return summary, ran

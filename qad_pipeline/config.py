@@ -190,6 +190,15 @@ class QADParams(_Section):
 
 class ExportParams(_Section):
     serving_check: Literal["auto", "full", "config", "skip"]
+    source: str = "auto"
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        if value in ("auto", "qad") or (value.startswith("ptq/") and len(value) > 4):
+            return value
+        raise ValueError(f"export.source {value!r} is not auto, qad or ptq/<recipe> (a PTQ recipe or a sweep "
+                         "point, e.g. ptq/nvfp4_max-mamba_fp8-kv_fp8)")
 
 
 class Params(_Section):

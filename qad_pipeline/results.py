@@ -326,6 +326,7 @@ class ServingCheck(_Strict):
 
 class ExportMetrics(_Strict):  # metrics/export.json (tasks/export.py: run_export)
     path: str
+    source: str  # what was exported: qad (the QAD student) or ptq/<candidate> (a PTQ checkpoint)
     size_bytes: int
     bf16_size_bytes: int
     size_ratio: float
@@ -333,7 +334,7 @@ class ExportMetrics(_Strict):  # metrics/export.json (tasks/export.py: run_expor
     layer_formats: dict[str, str]
     layers_by_format: dict[str, int]
     repaired_layer_names: int
-    # formats, size, reload and (unless skipped) serving: each check's own figures, and `passed`
+    # formats, size, lint, reload and (unless skipped) serving: each check's own figures, and `passed`
     checks: dict[str, dict[str, Any]]
     serving: ServingNotes
     serving_check: ServingCheck

@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, StageError
+from qad_pipeline.serving_reference import REFERENCE_FILE, VIEWS, read_reference
 
 VLLM_VERSION = "0.32.0"
 # the CPU build pins torch 2.13.0 (CPU) and transformers < 5.20; the CUDA build its own CUDA torch
@@ -69,12 +70,7 @@ CPU_PLUGIN = PROJECT_ROOT / "serving" / "vllm_cpu_plugin"
 KL_MAX = 0.005  # nats per token: the absolute floor of a view's threshold (below it, any server passes)
 NOISE_FACTOR = 2.0  # a view's KL may be this many times the student's own sdpa-vs-eager KL in that view
 TOP1_MIN = 0.95  # top-1 agreement of the w4a16 view (W4A4 rounding alone swaps top tokens)
-VIEWS = ("w4a16", "w4a4")
-FULL_VOCAB_MAX = 8192  # vocabularies up to this size are compared whole
-TOP_K = 1024  # otherwise the top K log-probs per position
 DECIDED_MARGIN = 0.05  # nats: top-1 agreement counts the positions where the top token leads by this
-PROMPTS, PROMPT_LEN = 4, 64  # held-out windows for the full check
-REFERENCE_FILE = "serving_reference.npz"
 LEVELS = ("auto", "full", "config")
 
 
@@ -166,131 +162,6 @@ def vllm_process_env() -> dict[str, str]:
     return env
 
 
-# -- the reference: the student the checkpoint was exported from ----------------------------------
-
-
-def held_out_prompts(windows: np.ndarray, count: int = PROMPTS, length: int = PROMPT_LEN) -> list[list[int]]:
-    """Prompts for the full check: the first `count` held-out windows, `length` tokens each."""
-    if len(windows) == 0:
-        raise ConfigError("no held-out windows for the serving check (the calibration stage writes them)")
-    return [[int(t) for t in w[:length]] for w in windows[:count]]
-
-
-def _is_nvfp4_activation(name: str, quantizer) -> bool:
-    block = getattr(quantizer, "block_sizes", None) or {}
-    return name.endswith("input_quantizer") and quantizer.num_bits == (2, 1) and block.get("type") == "dynamic"
-
-
-def view_switches(student, view: str) -> list:
-    """The enabled quantizers a view turns off: the KV cache's always (vLLM's CPU build serves it in
-    BF16; on a GPU its FP8/NVFP4 KV cache adds its own small difference), the NVFP4 activations'
-    for w4a16, every one but the weights' for `weights` (the export's reload check)."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    def off(name: str, q) -> bool:
-        if name.endswith(("k_bmm_quantizer", "v_bmm_quantizer")):
-            return True
-        if view == "w4a16":
-            return _is_nvfp4_activation(name, q)
-        if view == "weights":
-            return not (name.endswith("weight_quantizer") or "weight_quantizers." in name)
-        return view == "unquantized"
-
-    return [m for n, m in student.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled and off(n, m)]
-
-
-@torch.no_grad()
-def view_logits(student, batch: torch.Tensor, view: str, attention: str | None = None) -> torch.Tensor:
-    """The student's logits in a view (`view_switches`), its quantizers switched back on afterwards;
-    `attention` runs it with another of transformers' attention implementations for this forward."""
-    from qad_pipeline.modeling import input_device
-
-    switched = view_switches(student, view)
-    held = student.config._attn_implementation
-    for q in switched:
-        q.disable()
-    try:
-        if attention:
-            student.set_attn_implementation(attention)
-        return student(input_ids=batch.to(input_device(student))).logits.float().cpu()
-    finally:
-        if attention:
-            student.set_attn_implementation(held)
-        for q in switched:
-            q.enable()
-
-
-def kl_per_token(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
-    """Mean KL(p || q) in nats per position, every position but the last (which predicts nothing checked)."""
-    p, q = torch.log_softmax(p_logits[:, :-1].float(), -1), torch.log_softmax(q_logits[:, :-1].float(), -1)
-    return float((p.exp() * (p - q)).sum(-1).mean())
-
-
-def implementation_noise(student, batch: torch.Tensor, view: str, logits: torch.Tensor) -> float:
-    """KL between the student's log-probs (`logits`, sdpa) and the same view with eager attention:
-    what two faithful implementations of this quantized model differ by on these prompts."""
-    return kl_per_token(view_logits(student, batch, view, attention="eager"), logits)
-
-
-def student_reference(student, prompts: list[list[int]]) -> dict:
-    """What the served checkpoint must reproduce, per view (`VIEWS`; w4a4 only where NVFP4
-    activations are quantized): the student's logits, its implementation noise, and the
-    quantization's own KL in that view (vs the student with every quantizer off), for the report."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-
-    batch = torch.tensor(prompts)
-    nvfp4_activations = any(isinstance(q, TensorQuantizer) and q.is_enabled and _is_nvfp4_activation(n, q)
-                            for n, q in student.named_modules())
-    views = ["w4a16", "w4a4"] if nvfp4_activations else ["w4a16"]
-    unquantized = view_logits(student, batch, "unquantized")
-    out = {}
-    for view in views:
-        logits = view_logits(student, batch, view)
-        out[view] = {"logits": logits, "noise": implementation_noise(student, batch, view, logits),
-                     "own_kl": kl_per_token(logits, unquantized)}
-    return out
-
-
-def write_reference(folder: Path, prompts: list[list[int]], views: dict) -> Path:
-    """`serving_reference.npz` in the export: the prompts and, per view, the student's top-K
-    next-token log-probs at each position but the last (K: the whole vocabulary up to
-    FULL_VOCAB_MAX), its implementation noise and the quantization's own KL."""
-    arrays = {"prompts": np.asarray(prompts, dtype=np.int64)}
-    for view, ref in views.items():
-        logprobs = torch.log_softmax(ref["logits"][:, :-1].float(), -1)
-        k = logprobs.shape[-1] if logprobs.shape[-1] <= FULL_VOCAB_MAX else TOP_K
-        top = logprobs.topk(k, -1)
-        arrays.update({f"{view}_ids": top.indices.numpy().astype(np.int32),
-                       f"{view}_logprobs": top.values.numpy().astype(np.float32),
-                       f"{view}_noise": np.float64(ref["noise"]), f"{view}_own_kl": np.float64(ref["own_kl"])})
-    path = Path(folder) / REFERENCE_FILE
-    np.savez_compressed(path, **arrays)
-    return path
-
-
-def reference_bytes(prompts: int, positions: int, vocab: int) -> int:
-    """At most how many bytes `write_reference` writes (both views, before compression)."""
-    k = vocab if vocab <= FULL_VOCAB_MAX else TOP_K
-    return len(VIEWS) * prompts * (positions - 1) * k * 8 + prompts * positions * 8
-
-
-def read_reference(folder: Path) -> dict[str, dict]:
-    """{"prompts": array, view: {"ids", "logprobs", "noise", "own_kl"}} for each view written."""
-    path = Path(folder) / REFERENCE_FILE
-    if not path.is_file():
-        raise ConfigError(f"{folder} has no {REFERENCE_FILE}: the export stage writes it beside the weights "
-                          "(the student's log-probs the served checkpoint must reproduce); re-run the export")
-    with np.load(path) as data:
-        if "w4a16_ids" not in data.files:
-            raise ConfigError(f"{path} was written by an older export (no per-view reference); re-run the export")
-        out: dict = {"prompts": data["prompts"]}
-        for view in VIEWS:
-            if f"{view}_ids" in data.files:
-                out[view] = {"ids": data[f"{view}_ids"], "logprobs": data[f"{view}_logprobs"],
-                             "noise": float(data[f"{view}_noise"]), "own_kl": float(data[f"{view}_own_kl"])}
-        return out
-
-
 def compare(vllm_positions: list, reference: dict[str, np.ndarray]) -> dict:
     """vLLM's prompt log-probs against the student's, per position.
 
@@ -370,8 +241,9 @@ def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -
     if all(side["full"] is not None for side in sides.values()):
         result["views"] = {view: judge_view(view, sides[view]["full"], reference[view]) for view in views}
         tight = result["views"]["w4a16"]
-        result.update(level="full", logprobs_per_position=k, served_kv_cache_dtype=first["full"]["kv_cache_dtype"],
-                      kv_cache_fallback=first["full"].get("kv_cache_fallback"),
+        stored = sides[views[-1]]["full"]  # the checkpoint as stored (w4a16 alone where it is the same)
+        result.update(level="full", logprobs_per_position=k, served_kv_cache_dtype=stored["kv_cache_dtype"],
+                      kv_cache_fallback=stored.get("kv_cache_fallback"),
                       **{key: tight[key] for key in ("kl_divergence", "kl_max_position", "top1_agreement",
                                                      "decided_positions", "positions")},
                       passed=config["passed"] and all(v["passed"] for v in result["views"].values()))
@@ -396,7 +268,8 @@ def judge_view(view: str, served: dict, reference: dict) -> dict:
     agreement = figures["top1_agreement"]
     passed = figures["kl_divergence"] <= kl_max and (view != "w4a16" or agreement is None or agreement >= TOP1_MIN)
     return {**figures, "kl_divergence_max": kl_max, "student_noise": reference["noise"],
-            "quantization_kl": reference["own_kl"], "served_as": served.get("quantization"), "passed": passed}
+            "quantization_kl": reference["own_kl"], "served_as": served.get("quantization"),
+            "served_kv_cache_dtype": served["kv_cache_dtype"], "passed": passed}
 
 
 def summary_line(result: dict) -> str:

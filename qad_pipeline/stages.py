@@ -61,7 +61,8 @@ class Stage:
     foreach: str | None = None  # a per-item stage: "ptq.recipes" (one per recipe) or "sweep.budgets" (per budget)
     gpu: bool = False  # a GPU-heavy stage: a flow run on the GPU pool when the flow has `stage_deployment`
     cached: bool = False  # taken from Prefect's cache when its inputs are unchanged
-    after_selection: bool = False  # runs only with selection.policy qad, on the selected recipe
+    after_selection: bool = False  # runs on the selected candidate, when one was selected
+    qad_only: bool = False  # runs only with selection.policy qad
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
@@ -184,16 +185,17 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
-          gpu=True, after_selection=True),
+          gpu=True, after_selection=True, qad_only=True),
     Stage("final_eval", "qad_pipeline.tasks.final_eval:main", after=("qad",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
-          gpu=True, after_selection=True),
+          gpu=True, after_selection=True, qad_only=True),
     Stage("export", "qad_pipeline.tasks.export:main", after=("final_eval",),
-          params=("base_model", "export"),
-          inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "metrics/selection.json"),
+          params=("base_model", "selection.policy", "export"),
+          inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "artifacts/ptq", "artifacts/sweep",
+                  "metrics/selection.json"),
           outputs=(Output("metrics/export.json", "metrics"), Output("artifacts/export", cleared=False)),
           gpu=True, after_selection=True),
 )}
@@ -208,14 +210,14 @@ def with_sweep(params: Params) -> bool:
 
 
 def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str | None]]:
-    """The stage processes a run starts, in order, one per item for a per-item stage; those after
-    selection only with `selection.policy: qad` (and only if a recipe is selected); the sweep's
+    """The stage processes a run starts, in order, one per item for a per-item stage; QAD and
+    final_eval only with `selection.policy: qad` (those after selection only if a recipe is selected); the sweep's
     with `selection.sweep` set. `sweep_only`: the BPE sweep's flow (up to the knee)."""
     runs: list[tuple[Stage, str | None]] = []
     for declared in STAGES.values():
         if sweep_only and declared.name == "selection":
             break
-        if declared.after_selection and params.selection.policy != "qad":
+        if declared.qad_only and params.selection.policy != "qad":
             continue
         if declared.sweep and not (sweep_only or with_sweep(params)):
             continue

@@ -127,17 +127,20 @@ def cpu_kv_cache_limit(kv_cache_dtype: str) -> str | None:
             f", not {kv_cache_dtype}")
 
 
-def full_check(folder: Path, prompts: list[list[int]], k: int, max_model_len: int, kv_cache_dtype: str) -> dict:
+def full_check(folder: Path, prompts: list[list[int]], k: int, max_model_len: int, kv_cache_dtype: str,
+               weights_only: bool = False) -> dict:
     """vLLM's prompt log-probs. Where this machine cannot run the checkpoint's quantized KV cache
     (vLLM's CPU build needs AVX-512 or AMX for FP8 and has no NVFP4 KV-cache kernel), the weights are
     still checked, with a BF16 KV cache, and the result says so: the KV-cache format is then
-    checked at the config level only."""
+    checked at the config level only. `weights_only` (the w4a16 view, which checks the weights
+    against a student with its KV-cache quantizers off) serves the KV cache in BF16 everywhere."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     settings = dict(model=str(folder), dtype="bfloat16", max_model_len=max_model_len, max_logprobs=k, seed=0,
                     enforce_eager=True, max_num_seqs=len(prompts))
-    kv_fallback = cpu_kv_cache_limit(kv_cache_dtype)
+    kv_fallback = "the w4a16 view checks the weights: KV cache in BF16" if weights_only else \
+        cpu_kv_cache_limit(kv_cache_dtype)
     if kv_fallback:
         settings["kv_cache_dtype"] = "bfloat16"
     try:
@@ -212,17 +215,17 @@ def main() -> int:
     request = json.loads(request_file.read_text())
     if request.get("view") == "w4a16":
         with tempfile.TemporaryDirectory(prefix="qad-w4a16-") as tmp:
-            return check(w4a16_copy(folder, Path(tmp)), request, out_file)
+            return check(w4a16_copy(folder, Path(tmp)), request, out_file, weights_only=True)
     return check(folder, request, out_file)
 
 
-def check(folder: Path, request: dict, out_file: Path) -> int:
+def check(folder: Path, request: dict, out_file: Path, weights_only: bool = False) -> int:
     out: dict = {"config": None, "full": None, "full_error": None, "platform_limit": False}
     out["config"] = config_check(folder, request["max_model_len"])
     if request["level"] in ("auto", "full") and out["config"]["quantization"] is not None:
         try:
             out["full"] = full_check(folder, request["prompts"], request["logprobs"], request["max_model_len"],
-                                     out["config"]["kv_cache_dtype"])
+                                     out["config"]["kv_cache_dtype"], weights_only)
         except Exception as err:  # noqa: BLE001  (reported to the project side, which decides)
             text = "".join(traceback.format_exception_only(type(err), err)).strip()
             out["full_error"] = text[-2000:]

@@ -387,20 +387,44 @@ def disk_full_is_reported(layout: Layout):
                          "run the stage again") from None
 
 
+def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
+    """(what is exported, its checkpoint folder): `export.source`, where auto is the QAD student
+    with selection.policy qad and the selected PTQ candidate with ptq_final."""
+    from qad_pipeline.results import SelectionResult, read_result
+
+    source = params.export.source
+    if source == "auto" and params.selection.policy == "qad":
+        source = "qad"
+    elif source == "auto":
+        selected = read_result(layout.selection_metrics, SelectionResult).selected
+        if selected is None:
+            raise ConfigError("selection.policy is ptq_final and no PTQ recipe was selected (metrics/selection.json): "
+                              "nothing to export")
+        source = f"ptq/{selected}"
+    folder = layout.qad / "model" if source == "qad" else layout.candidate(source.removeprefix("ptq/")) / "checkpoint"
+    if not (folder / "config.json").is_file():
+        ran = sorted(p.parent.parent.name for p in (layout.root / "artifacts").glob("*/*/checkpoint/config.json"))
+        raise ConfigError(f"export.source {params.export.source!r}: no checkpoint at {folder}; valid here: qad"
+                          f"{' (after the qad stage)' if source != 'qad' else ''}"
+                          + "".join(f", ptq/{name}" for name in ran))
+    return source, folder
+
+
 def run_export(params: Params, layout: Layout) -> dict:
-    """Stage core: export the QAD student, verify it, put it in place; write metrics/export.json."""
+    """Stage core: export the QAD student (or a PTQ checkpoint: `export_source`), verify it, put it in
+    place; write metrics/export.json."""
     import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.serving import (held_out_prompts, implementation_noise, reference_bytes, student_reference,
-                                      view_logits, write_reference)
+    from qad_pipeline.serving_reference import (held_out_prompts, implementation_noise, reference_bytes,
+                                                student_reference, view_logits, write_reference)
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
 
-    student_dir = layout.qad / "model"
+    source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
-                             + [str((student_dir / "model.safetensors").stat().st_size)])
+                             + [f"{p.name}:{p.stat().st_size}" for p in sorted(student_dir.glob("*.safetensors"))])
     check_target(layout.export, source_key)
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
     expected = size_report(student)
@@ -436,6 +460,7 @@ def run_export(params: Params, layout: Layout) -> dict:
         write_result(tmp / "serving.json", serving)
         metrics = ExportMetrics(
             path=str(layout.export),
+            source=source,
             size_bytes=size_bytes,
             bf16_size_bytes=checks["size"]["bf16_size_bytes"],
             size_ratio=checks["size"]["bf16_size_bytes"] / size_bytes,
@@ -454,11 +479,11 @@ def run_export(params: Params, layout: Layout) -> dict:
         if not metrics.passed:
             failed = [f"{name}: {c.get('problems') or c.get('summary') or c}" for name, c in checks.items() if not c["passed"]]
             raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
-        write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir)})
+        write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir), "exported": source})
     return dump_result(metrics)
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     """The export stage: `qad-pipeline stage export`."""
     m = run_export(params, layout)
-    return f"export: {m['path']} ({m['size_bytes'] / 1e6:.2f} MB, {m['effective_bpe']:.3f} bits per element)"
+    return f"export of {m['source']}: {m['path']} ({m['size_bytes'] / 1e6:.2f} MB, {m['effective_bpe']:.3f} bits per element)"

@@ -146,7 +146,7 @@ def export_metrics(folder: Path, **fields: Any) -> ExportMetrics:
                     "seconds": 40.0, "summary": summary},
     }
     return ExportMetrics(**{
-        "path": str(folder), "size_bytes": 640_064, "bf16_size_bytes": 2_000_000, "size_ratio": 2_000_000 / 640_064,
+        "path": str(folder), "source": "qad", "size_bytes": 640_064, "bf16_size_bytes": 2_000_000, "size_ratio": 2_000_000 / 640_064,
         "effective_bpe": 4.5546, "layer_formats": layer_formats, "layers_by_format": layers_by_format,
         "repaired_layer_names": 0, "checks": checks, "serving": serving_notes(folder),
         "serving_check": {"level": "full", "summary": summary}, "passed": True, **fields})

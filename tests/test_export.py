@@ -12,9 +12,11 @@ from qad_pipeline.tasks.export import (
     check_reload,
     check_size,
     check_target,
+    lint,
     read_tensors,
+    student_input_scales,
 )
-from qad_pipeline.serving import implementation_noise, view_logits
+from qad_pipeline.serving_reference import implementation_noise, view_logits
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 
@@ -32,6 +34,7 @@ def exported(pipeline_run):
         "expected": size_report(student),
         "reference": (reference := view_logits(student, batch, "weights")),
         "noise": implementation_noise(student, batch, "weights", reference),
+        "input_scales": student_input_scales(student),
         "batch": batch,
     }
 
@@ -46,6 +49,8 @@ def test_real_export_passes_all_checks(exported):
     assert check_formats(e["expected"]["layer_formats"], e["tensors"], e["config"])["passed"]
     assert check_size(e["expected"]["effective_bpe"], e["tensors"])["passed"]
     assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"], e["noise"])["passed"]
+    assert lint(e["tensors"], e["input_scales"]) == {"passed": True, "problems": [], "problem_count": 0}
+    assert e["input_scales"]  # the demo quantizes NVFP4 activations: their scales are checked
     assert e["expected"]["layer_formats"]["lm_head.weight"] == "nvfp4"
 
 
@@ -83,6 +88,30 @@ def test_reload_check_catches_wrong_scales(exported):
     layer = nvfp4_layer(tensors)
     tensors[f"{layer}.weight_scale_2"] = tensors[f"{layer}.weight_scale_2"] * 4
     assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"], e["noise"])["passed"]
+
+
+def test_lint_names_an_expert_with_zero_scales_and_a_nan_input_scale(exported):
+    """The NVFP4 failures users report: an MoE expert calibration never routed to, exported with zero
+    scales (NaN in vLLM), and an input scale that is not finite; each is one line naming the tensor."""
+    e = exported
+    tensors = dict(e["tensors"])
+    expert = next(n for n in tensors if ".experts." in n and n.endswith(".weight_scale"))
+    tensors[expert] = torch.zeros_like(tensors[expert])
+    inputs = next(n for n in tensors if n.endswith(".input_scale"))
+    tensors[inputs] = torch.full_like(tensors[inputs], float("nan"))
+    result = lint(tensors, e["input_scales"])
+    assert not result["passed"]
+    assert any(p.startswith(f"{expert}: ") and "not finite and > 0" in p for p in result["problems"])
+    assert any(p.startswith(f"{inputs}: ") for p in result["problems"])
+
+
+def test_lint_names_an_input_scale_other_than_the_calibrated_one(exported):
+    e = exported
+    module, scale = next(iter(e["input_scales"].items()))
+    tensors = {**e["tensors"], f"{module}.input_scale": torch.tensor(scale * 2, dtype=torch.float32)}
+    result = lint(tensors, e["input_scales"])
+    assert not result["passed"] and result["problems"] == [
+        f"{module}.input_scale: {scale * 2:.6g}, the student's calibrated scale is {scale:.6g}"]
 
 
 def test_export_target_holding_another_checkpoint_is_refused(exported, tmp_path):

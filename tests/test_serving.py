@@ -9,55 +9,52 @@ import sys
 import numpy as np
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoTokenizer
 
 from qad_pipeline import serving
+from qad_pipeline import serving_reference
 from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import write_result
 from qad_pipeline.tasks.calibration import build_calibration
 from qad_pipeline.tasks.evaluate import run_baseline
 from qad_pipeline.tasks.export import read_tensors, run_export
 from qad_pipeline.tasks.ptq import run_ptq
-from qad_pipeline.tasks.qad import run_qad
-from tests import samples
 from tests.conftest import TINY
 
 RECIPE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"  # the most aggressive: NVFP4 W4A4 MLP, NVFP4 KV cache
 
 
-def export_tiny_llama(root, demo_model_path, tied: bool) -> tuple[dict, Layout, dict]:
-    """PTQ -> QAD -> export (serving check included) of a tiny random Llama; head size 32, the
-    smallest vLLM's CPU attention takes. Returns (export metrics, layout, PTQ result)."""
-    folder = root / "model"
-    torch.manual_seed(0)  # the same random weights whichever tests ran before in this process
-    config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         tie_word_embeddings=tied)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    AutoTokenizer.from_pretrained(demo_model_path).save_pretrained(folder)
+def export_real_model(root) -> tuple[dict, Layout, dict]:
+    """PTQ with the most aggressive recipe, then the export of that PTQ checkpoint (`export.source
+    ptq/<recipe>`, as `selection.policy: ptq_final` exports it), serving check included, of
+    SmolLM2-135M-Instruct: a real pretrained model (`benchmarks/real_model.py`) with the outliers
+    and block-scale range random weights lack, tied embeddings, head size 64 and a hidden size
+    (576) that is no multiple of 128. Returns (export metrics, layout, PTQ result)."""
+    from benchmarks.real_model import build_real_model
+
+    folder = build_real_model()
     params = load_params(overrides=TINY + [f"base_model.path={folder}", "eval.tasks=[heldout_continuation]",
-                                           f"ptq.recipes=[{RECIPE}]"])
-    layout = Layout(root / "run")
+                                           f"ptq.recipes=[{RECIPE}]", f"export.source=ptq/{RECIPE}"])
+    layout = Layout(root)
     build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
     run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
     ptq = run_ptq(params, RECIPE, layout.data, layout.reference, layout.ptq(RECIPE))
-    write_result(layout.selection_metrics, samples.selection(RECIPE, []))
-    run_qad(params, layout.ptq(RECIPE) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
     return run_export(params, layout), layout, ptq
 
 
 @pytest.fixture(scope="module")
-def llama_export(tmp_path_factory, demo_model_path):
-    return export_tiny_llama(tmp_path_factory.mktemp("llama-export"), demo_model_path, tied=False)
+def real_export(tmp_path_factory):
+    return export_real_model(tmp_path_factory.mktemp("real-export"))
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qad_pipeline", *args], capture_output=True, text=True, timeout=900)
 
 
-def test_llama_export_passes_the_full_check_in_vllm(llama_export):
-    export, layout, _ = llama_export
+def test_real_model_export_passes_every_check_and_the_full_check_in_vllm(real_export):
+    export, layout, _ = real_export
+    assert export["source"] == f"ptq/{RECIPE}" and export["passed"], export["checks"]
+    assert export["checks"]["lint"]["passed"] and export["checks"]["reload"]["passed"]
     check = export["checks"]["serving"]
     assert check["passed"] and check["level"] == "full", check["summary"]
     assert check["quantization"] == "modelopt_mixed" and check["kv_cache_dtype"] == "nvfp4"
@@ -65,20 +62,20 @@ def test_llama_export_passes_the_full_check_in_vllm(llama_export):
     # the weights are served with a BF16 KV cache, and the check says so
     if not torch.cuda.is_available():
         assert check["served_kv_cache_dtype"] == "bfloat16" and check["kv_cache_fallback"].endswith("not nvfp4")
-    assert check["logprobs_per_position"] == 4096  # the whole vocabulary: the KL is exact
+    assert check["logprobs_per_position"] == serving_reference.TOP_K  # 49,152 tokens: the top K, a lower bound
     # two views: NVFP4 activations in BF16 (Hopper) and as stored (Blackwell), each within its threshold
     assert set(check["views"]) == {"w4a16", "w4a4"}
     for view in check["views"].values():
         assert view["passed"] and view["kl_divergence"] <= view["kl_divergence_max"]
         assert view["kl_divergence_max"] == max(serving.KL_MAX, serving.NOISE_FACTOR * view["student_noise"])
     assert check["kl_divergence"] == check["views"]["w4a16"]["kl_divergence"] and check["top1_agreement"] >= serving.TOP1_MIN
-    assert check["decided_positions"] > 0 and check["positions"] == serving.PROMPTS * (serving.PROMPT_LEN - 1)
+    assert check["decided_positions"] > 0 and check["positions"] == serving_reference.PROMPTS * (serving_reference.PROMPT_LEN - 1)
     assert export["serving_check"]["level"] == "full"
     assert (layout.export / serving.REFERENCE_FILE).is_file()
 
 
-def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(llama_export, tmp_path):
-    _, layout, _ = llama_export
+def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(real_export, tmp_path):
+    _, layout, _ = real_export
     good = cli("verify-serving", str(layout.export))
     assert good.returncode == 0, good.stderr[-2000:]
     assert good.stdout.strip().splitlines()[-1].startswith("serving check passed: level full")
@@ -90,10 +87,10 @@ def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(lla
     assert re.search(r"w4a16: KL [\d.]+ nats/token \(max [\d.]+\), top-1 0\.[01]", last), last
 
 
-def test_printed_vllm_command_is_what_vllm_runs(llama_export):
+def test_printed_vllm_command_is_what_vllm_runs(real_export):
     """vLLM's own argument parser and model config take the printed command, and run exactly the
     quantization method and KV-cache dtype it names (vLLM would silently override a wrong one)."""
-    export, _, _ = llama_export
+    export, _, _ = real_export
     command = export["serving"]["vllm"]
     words = shlex.split(command)
     named = {"quantization": words[words.index("--quantization") + 1],
@@ -115,10 +112,10 @@ def test_demo_export_gets_the_config_level_check(pipeline_run):
     assert f"--quantization {ran['quantization']}" in command
 
 
-def test_tied_embeddings_stay_tied_through_ptq_qad_export_and_serving(demo_model_path, tmp_path):
-    """A model whose lm_head is its input embedding (`tie_word_embeddings`): the lm_head stays the
-    BF16 embedding, PTQ -> QAD -> export -> reload agree on formats and size, and vLLM serves it."""
-    export, layout, ptq = export_tiny_llama(tmp_path, demo_model_path, tied=True)
+def test_tied_embeddings_stay_tied_through_ptq_export_and_serving(real_export):
+    """SmolLM2's lm_head is its input embedding (`tie_word_embeddings`): the lm_head stays the
+    BF16 embedding, PTQ -> export -> reload agree on formats and size, and vLLM serves it."""
+    export, layout, ptq = real_export
     assert ptq["layer_formats"]["model.embed_tokens.weight"] == "bf16"
     assert "lm_head.weight" not in ptq["layer_formats"]  # one tensor: the tied embedding
     assert ptq["layer_formats"]["model.layers.0.mlp.up_proj.weight"] == "nvfp4"
@@ -164,11 +161,14 @@ def test_missing_vllm_environment_is_one_line_naming_the_fix(tmp_path, monkeypat
         serving.vllm_python()
 
 
-def test_reference_file_is_not_a_weight_file_a_server_would_load(llama_export):
-    _, layout, _ = llama_export
+def test_reference_file_is_not_a_weight_file_a_server_would_load(real_export):
+    _, layout, _ = real_export
     with np.load(layout.export / serving.REFERENCE_FILE) as ref:
-        assert ref["prompts"].shape == (serving.PROMPTS, serving.PROMPT_LEN)
-        assert ref["logprobs"].shape == (serving.PROMPTS, serving.PROMPT_LEN - 1, 4096)
+        assert ref["prompts"].shape == (serving_reference.PROMPTS, serving_reference.PROMPT_LEN)
+        for view in serving_reference.VIEWS:  # NVFP4 activations are quantized: both views
+            assert ref[f"{view}_logprobs"].shape == (serving_reference.PROMPTS, serving_reference.PROMPT_LEN - 1,
+                                                     serving_reference.TOP_K)
+            assert 0 <= float(ref[f"{view}_noise"]) < float(ref[f"{view}_own_kl"])
     assert not list(layout.export.glob("serving_reference*.safetensors"))
 
 

@@ -211,8 +211,8 @@ def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str
 def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     """(MLflow status, why) of a pipeline run, judged from which files exist.
 
-    FINISHED when the flow reached its end: selection chose nothing (the report says why), the
-    policy is ptq_final, or the export passed its checks. Otherwise FAILED, naming the first
+    FINISHED when the flow reached its end: selection chose nothing (the report says why), or
+    the export (of the QAD student, or with ptq_final of the selected recipe) passed its checks. Otherwise FAILED, naming the first
     stage whose result is missing.
     """
     if not layout.selection_metrics.is_file():
@@ -222,9 +222,8 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     selection = read_result(layout.selection_metrics, SelectionResult)
     if selection.selected is None:
         return "FINISHED", "no recipe selected: " + selection.reason
-    if params.selection.policy != "qad":
-        return "FINISHED", f"PTQ is the last step ({selection.selected})"
-    for stage in (name for name, declared in STAGES.items() if declared.after_selection):
+    for stage in (name for name, declared in STAGES.items() if declared.after_selection
+                  and (params.selection.policy == "qad" or not declared.qad_only)):
         if not result_file(layout, stage).is_file():
             return "FAILED", f"no result from {stage}"
     if not read_result(layout.export_metrics, ExportMetrics).passed:
