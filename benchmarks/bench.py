@@ -110,7 +110,8 @@ def recipes_on_workers(root: Path, workers: int, recipes: list[str]) -> tuple[fl
             stack.worker("qad-gpu", f"gpu-{gpu}", {"CUDA_VISIBLE_DEVICES": str(gpu), "OMP_NUM_THREADS": threads})
         stack.deploy()
         run = stack.wait(stack.run("qad-pipeline/default", {
-            "out_root": str(root / f"workers-{workers}"), "overrides": ["selection.policy=ptq_final"]}), timeout=3600)
+            "out_root": str(root / f"workers-{workers}"),
+            "overrides": ["selection.policy=ptq_final", "export.source=none"]}), timeout=3600)
         assert run.state.is_completed(), run.state.message
         children = [r for r in stack.flow_runs("ptq-recipe") if r.state.is_completed()]
         assert len(children) == len(recipes), [r.name for r in children]
@@ -224,8 +225,8 @@ def real_model_exports(root: Path) -> None:
 def flow_figures(root: Path, params) -> None:
     n = len(params.ptq.recipes)
     parallel = run_flow(root / "parallel", [f"ptq.max_parallel={n}"])
-    # The second run only needs the PTQ half: policy ptq_final ends the flow at selection.
-    sequential = run_flow(root / "sequential", ["ptq.max_parallel=1", "selection.policy=ptq_final"])
+    # The second run only needs the PTQ half: policy ptq_final, nothing exported, ends the flow at selection.
+    sequential = run_flow(root / "sequential", ["ptq.max_parallel=1", "selection.policy=ptq_final", "export.source=none"])
 
     print(f"\n== stage wall times, one run with {n} recipes in parallel (s) ==")
     for stage, s in parallel["seconds"].items():

@@ -55,7 +55,7 @@ from qad_pipeline.preflight import preflight
 from qad_pipeline.report import recipe_rows, report_text, weight_error_rows
 from qad_pipeline.results import BPESweep, ExportMetrics, QADMetrics, SelectionResult, dump_result, read_result
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
-from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
+from qad_pipeline.stages import STAGES, Stage, fill, planned, with_sweep
 
 __all__ = ["StageFailed", "qad_pipeline"]
 
@@ -315,14 +315,15 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     publish_recipe_table(params, summary)
     if chosen.selected is not None:  # QAD and final_eval with policy qad; export of whatever is final
         upstream = selection
-        for stage, declared in STAGES.items():
-            if declared.after_selection and (params.selection.policy == "qad" or not declared.qad_only):
-                upstream = submit(job, stage, after=[upstream])
-                seconds[stage] = upstream.result()
-                ran.append((stage, None))
+        for declared, _ in planned(params):
+            if declared.after_selection:
+                upstream = submit(job, declared.name, after=[upstream])
+                seconds[declared.name] = upstream.result()
+                ran.append((declared.name, None))
         if params.selection.policy == "qad":
             summary["qad"] = dump_result(read_result(layout.qad_metrics, QADMetrics))
-        summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
+        if params.export.source != "none":
+            summary["export"] = dump_result(read_result(layout.export_metrics, ExportMetrics))
     publish_report(params, summary)
     return summary, ran
 

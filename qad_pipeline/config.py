@@ -195,10 +195,10 @@ class ExportParams(_Section):
     @field_validator("source")
     @classmethod
     def _source(cls, value: str) -> str:
-        if value in ("auto", "qad") or (value.startswith("ptq/") and len(value) > 4):
+        if value in ("auto", "qad", "none") or (value.startswith("ptq/") and len(value) > 4):
             return value
-        raise ValueError(f"export.source {value!r} is not auto, qad or ptq/<recipe> (a PTQ recipe or a sweep "
-                         "point, e.g. ptq/nvfp4_max-mamba_fp8-kv_fp8)")
+        raise ValueError(f"export.source {value!r} is not auto, qad, none or ptq/<recipe> (a PTQ recipe or a "
+                         "sweep point, e.g. ptq/nvfp4_max-mamba_fp8-kv_fp8)")
 
 
 class Params(_Section):
@@ -336,3 +336,8 @@ def check_recipes(params: Params, root: Path | None = None, sweep: bool = False)
             raise ConfigError(
                 f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"
             )
+    exported = params.export.source.removeprefix("ptq/")
+    if params.export.source.startswith("ptq/") and exported not in params.ptq.recipes and not (
+            sweep and exported.startswith(f"{params.sweep.recipe}@")):
+        raise ConfigError(f"export.source {params.export.source!r} is not a candidate of this run; valid: auto, qad, "
+                          "none, " + ", ".join(f"ptq/{name}" for name in params.ptq.recipes))

@@ -84,7 +84,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
             check_fits(plan(params, sweep_only=sweep))  # the memory plan: refuses a setting that cannot fit, naming the knob
         check_model_files(params.base_model)
         check_calibration(params, load_tokenizer(params.base_model))
-    if serving and not sweep and params.selection.policy == "qad" and params.export.serving_check != "skip":
+    if serving and not sweep and params.export.source != "none" and params.export.serving_check != "skip":
         from qad_pipeline.serving import vllm_python
 
         vllm_python()  # the export's serving check needs it: say so now, not after QAD

@@ -219,6 +219,8 @@ def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str |
             break
         if declared.qad_only and params.selection.policy != "qad":
             continue
+        if declared.name == "export" and params.export.source == "none":
+            continue
         if declared.sweep and not (sweep_only or with_sweep(params)):
             continue
         runs += [(declared, r) for r in declared.items(params)] if declared.per_recipe else [(declared, None)]

@@ -393,6 +393,9 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
     from qad_pipeline.results import SelectionResult, read_result
 
     source = params.export.source
+    if source == "none":
+        raise ConfigError("export.source is none (a run that only compares recipes): nothing to export; "
+                          "set it to auto, qad or ptq/<recipe>")
     if source == "auto" and params.selection.policy == "qad":
         source = "qad"
     elif source == "auto":

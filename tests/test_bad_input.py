@@ -73,6 +73,8 @@ def refused_process(out_root, *args, env=None):
         (["--base-model", "./no/such/model"], "base model path './no/such/model' does not exist"),
         (["--set", "eval.seq_len=100000"], "eval.seq_len = 100000 exceeds the model's maximum sequence length 1024"),
         (["--set", "eval.tasks=[no_such_task_anywhere]"], "unknown eval task(s) ['no_such_task_anywhere']"),
+        (["--set", "export.source=ptq/nvfp4_nope"], "export.source 'ptq/nvfp4_nope' is not a candidate of this run"),
+        (["--set", "export.source=latest"], "export.source 'latest' is not auto, qad, none or ptq/<recipe>"),
     ],
 )
 def test_run_rejects_bad_input_in_one_line(args, message, demo_model_path, tmp_path):

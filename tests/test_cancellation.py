@@ -128,7 +128,7 @@ def cmdline(pid: int) -> str:
 def test_kill_9_of_the_run_leaves_neither_the_temporary_server_nor_a_stage_running(tmp_path):
     root = tmp_path / "run"
     command = ["qad-pipeline", "run", "--params", str(PROJECT_PARAMS), "--out-root", str(root)]
-    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "export.serving_check=skip"]:
+    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "export.source=none"]:
         command += ["--set", item]
     env = {**tool_env(), "PREFECT_HOME": str(tmp_path / "prefect-home")}
     env.pop("PREFECT_API_URL", None)  # the run's own temporary server

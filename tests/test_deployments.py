@@ -36,9 +36,9 @@ def recipe_dir(tmp_path_factory):
 
 
 def params(out_root, recipe_dir) -> dict:
-    # PTQ only: the policy ptq_final ends the flow at selection.
+    # PTQ only: the policy ptq_final with nothing exported ends the flow at selection.
     return {"out_root": str(out_root), "recipes": GOOD_RECIPES,
-            "overrides": [*TINY, f"ptq.recipe_dir={recipe_dir}", "selection.policy=ptq_final"]}
+            "overrides": [*TINY, f"ptq.recipe_dir={recipe_dir}", "selection.policy=ptq_final", "export.source=none"]}
 
 
 def recipe_runs(stack, parent_id) -> dict:

@@ -21,7 +21,7 @@ from qad_pipeline.results import (
     read_result,
     write_result,
 )
-from qad_pipeline.stages import STAGES
+from qad_pipeline.stages import STAGES, planned
 from qad_pipeline.tracking.children import (
     REASON_FILE,
     SHORT_REASON,
@@ -222,10 +222,11 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     selection = read_result(layout.selection_metrics, SelectionResult)
     if selection.selected is None:
         return "FINISHED", "no recipe selected: " + selection.reason
-    for stage in (name for name, declared in STAGES.items() if declared.after_selection
-                  and (params.selection.policy == "qad" or not declared.qad_only)):
+    for stage in (declared.name for declared, _ in planned(params) if declared.after_selection):
         if not result_file(layout, stage).is_file():
             return "FAILED", f"no result from {stage}"
+    if params.export.source == "none":
+        return "FINISHED", "nothing exported (export.source none)"
     if not read_result(layout.export_metrics, ExportMetrics).passed:
         return "FAILED", "export verification failed"
     return "FINISHED", "exported"
