@@ -86,11 +86,14 @@ def kl_per_token(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def implementation_noise(student, batch: torch.Tensor, view: str, logits: torch.Tensor) -> float:
-    """KL between the student's log-probs (`logits`) and the same view with another of transformers'
-    attention implementations (eager; sdpa where the student runs eager), equal up to BF16 rounding:
-    what two faithful implementations of this quantized model differ by on these prompts."""
+def implementation_noise(student, batch: torch.Tensor, view: str, logits: torch.Tensor | None = None) -> float:
+    """KL between the student's log-probs (`logits`, computed when not given) and the same view with
+    another of transformers' attention implementations (eager; sdpa where the student runs eager),
+    equal up to BF16 rounding: what two faithful implementations of this quantized model differ by on
+    these prompts. Eager attention holds [batch, heads, length, length] scores: keep `batch` short."""
     other = "sdpa" if student.config._attn_implementation == "eager" else "eager"
+    if logits is None:
+        logits = view_logits(student, batch, view)
     return kl_per_token(view_logits(student, batch, view, attention=other), logits)
 
 

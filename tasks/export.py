@@ -201,6 +201,15 @@ def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor], trust_rem
     return model.eval()
 
 
+def reload_reference(student, batch: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """What the reload check compares with: the student's weight-only logits on `batch`, and its
+    implementation noise in that view, measured on the first PROMPT_LEN tokens (eager attention
+    holds the whole [length, length] score matrix; the noise is a per-token figure)."""
+    from qad_pipeline.serving_reference import PROMPT_LEN, implementation_noise, view_logits
+
+    return view_logits(student, batch, "weights"), implementation_noise(student, batch[:, :PROMPT_LEN], "weights")
+
+
 @torch.no_grad()
 def check_reload(folder: Path, tensors: dict[str, torch.Tensor], reference: torch.Tensor, batch: torch.Tensor,
                  noise: float, trust_remote_code: bool = False) -> dict:
@@ -406,10 +415,10 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
         source = f"ptq/{selected}"
     folder = layout.qad / "model" if source == "qad" else layout.candidate(source.removeprefix("ptq/")) / "checkpoint"
     if not (folder / "config.json").is_file():
-        ran = sorted(p.parent.parent.name for p in (layout.root / "artifacts").glob("*/*/checkpoint/config.json"))
-        raise ConfigError(f"export.source {params.export.source!r}: no checkpoint at {folder}; valid here: qad"
-                          f"{' (after the qad stage)' if source != 'qad' else ''}"
-                          + "".join(f", ptq/{name}" for name in ran))
+        ready = ["qad"] if (layout.qad / "model" / "config.json").is_file() else []
+        ready += [f"ptq/{p.parent.parent.name}" for p in sorted(layout.root.glob("artifacts/ptq/*/checkpoint/config.json"))]
+        raise ConfigError(f"export.source {params.export.source!r}: no checkpoint at {folder}; exportable here: "
+                          + (", ".join(ready) or "nothing yet (run PTQ, or QAD, first)"))
     return source, folder
 
 
@@ -420,8 +429,7 @@ def run_export(params: Params, layout: Layout) -> dict:
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.serving_reference import (held_out_prompts, implementation_noise, reference_bytes,
-                                                student_reference, view_logits, write_reference)
+    from qad_pipeline.serving_reference import held_out_prompts, reference_bytes, student_reference, write_reference
     from qad_pipeline.sizes import size_report
     from qad_pipeline.tasks.calibration import load_ppl_windows
 
@@ -434,8 +442,7 @@ def run_export(params: Params, layout: Layout) -> dict:
     windows = load_ppl_windows(layout.data)
     batch = torch.from_numpy(windows[:2])
     # before export: it packs the weights in place
-    reference = view_logits(student, batch, "weights")
-    noise = implementation_noise(student, batch, "weights", reference)
+    reference, noise = reload_reference(student, batch)
     prompts = held_out_prompts(windows)
     served = student_reference(student, prompts)
     input_scales = student_input_scales(student)

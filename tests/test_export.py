@@ -14,9 +14,9 @@ from qad_pipeline.tasks.export import (
     check_target,
     lint,
     read_tensors,
+    reload_reference,
     student_input_scales,
 )
-from qad_pipeline.serving_reference import implementation_noise, view_logits
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 
@@ -32,8 +32,7 @@ def exported(pipeline_run):
         "tensors": read_tensors(layout.export),
         "config": read_json(layout.export / "hf_quant_config.json"),
         "expected": size_report(student),
-        "reference": (reference := view_logits(student, batch, "weights")),
-        "noise": implementation_noise(student, batch, "weights", reference),
+        **dict(zip(("reference", "noise"), reload_reference(student, batch))),
         "input_scales": student_input_scales(student),
         "batch": batch,
     }

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from qad_pipeline.cli import Stage
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.stages import STAGES, code_modules, module_file
+from qad_pipeline.config import PROJECT_ROOT, load_params
+from qad_pipeline.stages import STAGES, code_modules, module_file, planned
 from qad_pipeline.versioning import dvc_yaml, stage_names
 
 
@@ -77,3 +77,34 @@ def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_on
     assert exit_reason(2, 0, 0) == "exit code 2"
     kills = oom_kills()
     assert kills is None or kills >= 0
+
+
+def test_what_follows_selection_depends_on_the_policy_and_the_export_source():
+    """qad: QAD, final eval and the export of the student; ptq_final: the export of the selected
+    recipe alone; export.source none: nothing exported."""
+    def after_selection(*overrides):
+        return [s.name for s, _ in planned(load_params(overrides=list(overrides))) if s.after_selection]
+
+    assert after_selection("selection.policy=qad") == ["qad", "final_eval", "export"]
+    assert after_selection("selection.policy=ptq_final") == ["export"]
+    assert after_selection("selection.policy=ptq_final", "export.source=none") == []
+
+
+def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
+    from qad_pipeline.config import ConfigError
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.results import write_result
+    from qad_pipeline.tasks.export import export_source
+    from tests import samples
+
+    layout = Layout(tmp_path)
+    write_result(layout.selection_metrics, samples.selection("nvfp4_max-mamba_fp8-kv_fp8", []))
+    checkpoint = layout.ptq("nvfp4_max-mamba_fp8-kv_fp8") / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text("{}")
+    ptq_final = load_params(overrides=["selection.policy=ptq_final"])
+    assert export_source(ptq_final, layout) == ("ptq/nvfp4_max-mamba_fp8-kv_fp8", checkpoint)
+    with pytest.raises(ConfigError, match=r"no checkpoint at .*qad/model; exportable here: ptq/nvfp4_max-mamba_fp8-kv_fp8$"):
+        export_source(load_params(), layout)  # policy qad: the student, which QAD has not written
+    with pytest.raises(ConfigError, match="export.source is none"):
+        export_source(load_params(overrides=["export.source=none"]), layout)

@@ -191,7 +191,7 @@ def _export(child: ChildRun, e: ExportMetrics, params: Params) -> None:
     child.status = "FINISHED" if e.passed else "FAILED"
     child.metrics = numeric_leaves(e.model_dump(mode="json", exclude={"serving"}))
     child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in e.checks.items()}
-    child.tags.update({"path": e.path, "vllm": e.serving.vllm, "serving_check": e.serving_check.level,
+    child.tags.update({"path": e.path, "source": e.source, "vllm": e.serving.vllm, "serving_check": e.serving_check.level,
                        "serving_check.summary": e.serving_check.summary})
     if not e.passed:
         failed = [f"{n}: {c.get('problems') or 'failed'}" for n, c in e.checks.items() if not c.get("passed")]

@@ -8,7 +8,7 @@ from typing import Any
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import CalibrationManifest, QADMetrics, read_result
+from qad_pipeline.results import CalibrationManifest, ExportMetrics, QADMetrics, SelectionResult, read_result
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.metrics import number
 from qad_pipeline.redaction import redact, redact_text
@@ -83,18 +83,32 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
 
 
 def version_facts(layout: Layout, parent: Any, export_run: Any) -> dict[str, Any]:
-    """What a registered version records about itself, from the files and the runs' tags."""
-    qad = read_result(layout.qad_metrics, QADMetrics, missing_ok=True)
+    """What a registered version records about itself, from the files and the runs' tags: the
+    exported model's own recovery (the QAD student's, or a PTQ export's row of the selection table)."""
+    export = read_result(layout.export_metrics, ExportMetrics, missing_ok=True)
+    source = export.source if export is not None else "qad"
     manifest = read_result(layout.data / "manifest.json", CalibrationManifest, missing_ok=True)
-    ci = qad.median_recovery_ci if qad is not None else (None, None)
     m = export_run.data.metrics
+    if source == "qad":
+        qad = read_result(layout.qad_metrics, QADMetrics, missing_ok=True)
+        recipe, recovery = qad and qad.recipe, qad and qad.median_recovery
+        ci = qad.median_recovery_ci if qad is not None else (None, None)
+        ptq_recovery, kl = qad and qad.ptq_median_recovery, qad and qad.kl_divergence
+    else:
+        selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
+        recipe = source.removeprefix("ptq/")
+        row = next((r for r in (selection.table if selection else []) if r.name == recipe), None)
+        recovery = ptq_recovery = row and row.median_recovery
+        ci = (row and row.median_recovery_ci) or (None, None)
+        kl = row and row.kl_divergence
     return {
-        "recipe": export_run.data.tags.get(RECIPE) or (qad and qad.recipe) or parent.data.tags.get("qad.selected"),
+        "recipe": export_run.data.tags.get(RECIPE) or recipe or parent.data.tags.get("qad.selected"),
+        "exported": source,
         "pipeline_run_id": parent.info.run_id,
-        "median_recovery": qad and qad.median_recovery,
+        "median_recovery": recovery,
         "median_recovery_ci_low": ci[0], "median_recovery_ci_high": ci[1],
-        "ptq_median_recovery": qad and qad.ptq_median_recovery,
-        "kl_divergence": qad and qad.kl_divergence,
+        "ptq_median_recovery": ptq_recovery,
+        "kl_divergence": kl,
         "effective_bpe": m.get("effective_bpe"),
         "size_bytes": None if m.get("size_bytes") is None else int(m["size_bytes"]),
         "git_commit": parent.data.tags.get(GIT_COMMIT),
@@ -114,13 +128,15 @@ def version_description(facts: Mapping[str, Any]) -> str:
                 f" (CI {100 * facts['median_recovery_ci_low']:.2f}–{100 * facts['median_recovery_ci_high']:.2f} %)")
     bits = "–" if number(facts.get("effective_bpe")) is None else f"{facts['effective_bpe']:.3f}"
     kl = "–" if number(facts.get("kl_divergence")) is None else f"{facts['kl_divergence']:.4f}"
+    qad = facts.get("exported", "qad") == "qad"
     lines = [
-        f"NVFP4 export of `{facts.get('base_model.path')}`, recipe `{facts.get('recipe')}` after QAD.",
+        f"NVFP4 export of `{facts.get('base_model.path')}`, recipe `{facts.get('recipe')}` "
+        + ("after QAD." if qad else "(PTQ, no QAD)."),
         "",
         "| model | median recovery vs BF16 | bits/elem | KL vs BF16 |",
         "|---|---|---|---|",
-        f"| this export (QAD) | {pct('median_recovery')}{interval} | {bits} | {kl} |",
-        f"| PTQ before QAD | {pct('ptq_median_recovery')} | {bits} | – |",
+        f"| this export ({'QAD' if qad else 'PTQ'}) | {pct('median_recovery')}{interval} | {bits} | {kl} |",
+        *([f"| PTQ before QAD | {pct('ptq_median_recovery')} | {bits} | – |"] if qad else []),
         "",
         f"- pipeline run: `{facts.get('pipeline_run_id')}`",
         f"- git commit: `{facts.get('git_commit') or 'unknown'}`",
