@@ -30,6 +30,21 @@ FULL_VOCAB_MAX = 8192  # vocabularies up to this size are compared whole
 TOP_K = 1024  # otherwise the top K log-probs per position
 REFERENCE_FILE = "serving_reference.npz"
 
+# The threshold of every comparison with the student (the export's reload check, each serving view):
+# its mean KL per token may be the largest of an absolute floor, NOISE_FACTOR x the student's own
+# implementation noise in that view, and QUANTIZATION_SHARE of the quantization's own KL in that
+# view (vs the student with every quantizer off). Measured on SmolLM2-135M (README: Export and its
+# checks): the reload and the w4a16 view come within 1.0-1.3 % of the quantization's KL, the w4a4
+# view at its noise.
+KL_FLOOR = 1e-3
+NOISE_FACTOR = 2.0
+QUANTIZATION_SHARE = 0.03
+
+
+def kl_threshold(noise: float, quantization_kl: float) -> float:
+    """A comparison's threshold in nats per token (the constants above)."""
+    return max(KL_FLOOR, NOISE_FACTOR * noise, QUANTIZATION_SHARE * quantization_kl)
+
 
 def held_out_prompts(windows: np.ndarray, count: int = PROMPTS, length: int = PROMPT_LEN) -> list[list[int]]:
     """Prompts for the full check: the first `count` held-out windows, `length` tokens each."""

@@ -32,7 +32,7 @@ def exported(pipeline_run):
         "tensors": read_tensors(layout.export),
         "config": read_json(layout.export / "hf_quant_config.json"),
         "expected": size_report(student),
-        **dict(zip(("reference", "noise"), reload_reference(student, batch))),
+        **dict(zip(("reference", "noise", "quantization_kl"), reload_reference(student, batch))),
         "input_scales": student_input_scales(student),
         "batch": batch,
     }
@@ -47,7 +47,7 @@ def test_real_export_passes_all_checks(exported):
     e = exported
     assert check_formats(e["expected"]["layer_formats"], e["tensors"], e["config"])["passed"]
     assert check_size(e["expected"]["effective_bpe"], e["tensors"])["passed"]
-    assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"], e["noise"])["passed"]
+    assert check_reload(e["layout"].export, e["tensors"], e["reference"], e["batch"], e["noise"], e["quantization_kl"])["passed"]
     assert lint(e["tensors"], e["input_scales"]) == {"passed": True, "problems": [], "problem_count": 0}
     assert e["input_scales"]  # the demo quantizes NVFP4 activations: their scales are checked
     assert e["expected"]["layer_formats"]["lm_head.weight"] == "nvfp4"
@@ -86,7 +86,7 @@ def test_reload_check_catches_wrong_scales(exported):
     tensors = dict(e["tensors"])
     layer = nvfp4_layer(tensors)
     tensors[f"{layer}.weight_scale_2"] = tensors[f"{layer}.weight_scale_2"] * 4
-    assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"], e["noise"])["passed"]
+    assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"], e["noise"], e["quantization_kl"])["passed"]
 
 
 def test_lint_names_an_expert_with_zero_scales_and_a_nan_input_scale(exported):
@@ -106,11 +106,13 @@ def test_lint_names_an_expert_with_zero_scales_and_a_nan_input_scale(exported):
 
 def test_lint_names_an_input_scale_other_than_the_calibrated_one(exported):
     e = exported
-    module, scale = next(iter(e["input_scales"].items()))
-    tensors = {**e["tensors"], f"{module}.input_scale": torch.tensor(scale * 2, dtype=torch.float32)}
+    module, scale = next(iter(e["input_scales"].items()))  # NemotronH: model.* in memory, backbone.* exported
+    name = f"backbone.{module.removeprefix('model.')}.input_scale"
+    assert name in e["tensors"]
+    tensors = {**e["tensors"], name: torch.tensor(scale * 2, dtype=torch.float32)}
     result = lint(tensors, e["input_scales"])
     assert not result["passed"] and result["problems"] == [
-        f"{module}.input_scale: {scale * 2:.6g}, the student's calibrated scale is {scale:.6g}"]
+        f"{name}: {scale * 2:.6g}, the student's calibrated scale is {scale:.6g}"]
 
 
 def test_export_target_holding_another_checkpoint_is_refused(exported, tmp_path):
