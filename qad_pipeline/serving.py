@@ -27,12 +27,12 @@ environment (`QAD_VLLM_ENV`, default `.venv-vllm` in the project folder) and run
   implementations (`sdpa` and `eager`, equal up to BF16 rounding), its `noise`, and the
   quantization's own KL in that view. A view passes at a mean KL of at most
   `serving_reference.kl_threshold`: max(1e-3, 2 x noise, 3 % of the quantization's KL) (and, for
-  w4a16, a top-1 agreement of at least `TOP1_MIN`). On SmolLM2-135M with W4A4 NVFP4 MLPs the noise is ~0.002 nats/token
-  with weights only and ~0.23 with NVFP4 activations: two faithful implementations of a W4A4 model
-  differ by about as much as the activation quantization itself, position by position, so the
-  w4a4 view can only bound how far beyond that the server goes; the weights are held to the tight
-  w4a16 view, the activation scales to the export's lint. A corrupted copy (nibbles swapped) fails
-  both views by orders of magnitude.
+  w4a16, a top-1 agreement of at least `TOP1_MIN`). On SmolLM2-135M with W4A4 NVFP4 MLPs the
+  noise is ~0.002 nats/token with weights only and ~0.2 with NVFP4 activations: two faithful
+  implementations of a W4A4 model differ by about as much as the activation quantization itself,
+  position by position, so the w4a4 view can only bound how far beyond that the server goes; the
+  weights are held to the tight w4a16 view, the activation scales to the export's lint. A
+  corrupted copy (nibbles swapped) fails both views by orders of magnitude.
 * `config`: where vLLM cannot run the architecture on this device (NemotronH's MoE on vLLM's CPU
   build), vLLM's config-level acceptance: the quantization method it detects, the KV-cache dtype,
   and for every linear layer of the checkpoint the algorithm vLLM's quantization config gives it,

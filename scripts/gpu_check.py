@@ -28,7 +28,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -367,11 +366,12 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
         from qad_pipeline.tasks.export import run_export
 
         source = "QAD student"
+        exporting = params
         if not trained:  # export the PTQ student instead, so that export is checked on this device anyway
-            shutil.rmtree(layout.qad, ignore_errors=True)
-            shutil.copytree(layout.ptq(student) / "checkpoint", layout.qad / "model")
+            exporting = load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}",
+                                                     f"export.source=ptq/{student}"])
             source = f"PTQ student {student} (QAD failed)"
-        m = run_export(params, layout)
+        m = run_export(exporting, layout)
         reload = m["checks"]["reload"]
         return m, (f"{source}: {m['size_bytes'] / 1e6:.2f} MB, x{m['size_ratio']:.2f} vs bf16, "
                    f"{m['effective_bpe']:.3f} bpe, reload KL {reload['kl_divergence']:.2e}")
