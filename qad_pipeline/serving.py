@@ -332,7 +332,7 @@ def corrupt_copy(folder: Path, dest: Path) -> Path:
     deliberately broken checkpoint: every shape and scale is valid, the values are not)."""
     from safetensors.torch import save_file
 
-    from qad_pipeline.tasks.export import read_tensors
+    from qad_pipeline.export_checks import read_tensors
 
     shutil.copytree(folder, dest)
     tensors = read_tensors(folder)

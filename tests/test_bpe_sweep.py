@@ -93,8 +93,8 @@ def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
     from qad_pipeline.artifacts import read_json
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.sizes import size_report
-    from qad_pipeline.tasks.export import (check_formats, check_size, normalize, read_tensors, repair_layer_names,
-                                           tensor_format)
+    from qad_pipeline.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
+    from qad_pipeline.tasks.export import repair_layer_names
 
     params = load_params()
     model = load_model(params.base_model, params.hardware)

@@ -1,4 +1,4 @@
-"""The export's three checks pass on a real export and fail on deliberately broken ones."""
+"""The export's checks (formats, size, lint, reload) pass on a real export and fail on deliberately broken ones."""
 
 import pytest
 import torch
@@ -7,16 +7,16 @@ from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError
 from qad_pipeline.sizes import size_report
 from qad_pipeline.tasks.calibration import load_ppl_windows
-from qad_pipeline.tasks.export import (
+from qad_pipeline.export_checks import (
     check_formats,
     check_reload,
     check_size,
-    check_target,
     lint,
     read_tensors,
     reload_reference,
     student_input_scales,
 )
+from qad_pipeline.tasks.export import check_target
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 

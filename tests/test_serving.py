@@ -17,7 +17,8 @@ from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.tasks.calibration import build_calibration
 from qad_pipeline.tasks.evaluate import run_baseline
-from qad_pipeline.tasks.export import read_tensors, run_export
+from qad_pipeline.export_checks import read_tensors
+from qad_pipeline.tasks.export import run_export
 from qad_pipeline.tasks.ptq import run_ptq
 from tests.conftest import TINY
 
