@@ -5,9 +5,9 @@
 
 With `selection.policy: ptq_final` (PTQ is the last step) the selected PTQ recipe goes straight
 to the export, through the same checks; when no recipe qualifies the flow ends at selection, and
-the report says why. With `selection.sweep: knee` (or
-`all`) the BPE sweep's stages (sweep_search, sweep × budgets, bpe_sweep; `flows/sweep.py`) run
-beside the recipes, and its knee (or every point) is a candidate in selection.
+the report says why. With `selection.sweep: knee` (or `all`) the BPE sweep's stages
+(sweep_search, sweep × budgets, bpe_sweep; `flows/sweep.py`) run beside the recipes, and its knee
+(or every point) is a candidate in selection.
 
 Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same command that
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
@@ -265,7 +265,8 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
 
     A failed calibration or baseline fails the flow; a failed recipe fails alone and selection
     goes on among the others. When a recipe was selected, QAD and final_eval follow (policy `qad`),
-    then the export of what is final (`ptq_final`: the selected recipe). Returns the run summary and the (stage, recipe) pairs that completed.
+    then the export of what is final (`ptq_final`: the selected recipe). Returns the run summary
+    and the (stage, recipe) pairs that completed.
     """
     layout, logger = job.layout, get_run_logger()
     calibration = submit(job, "calibration")

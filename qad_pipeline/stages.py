@@ -211,8 +211,9 @@ def with_sweep(params: Params) -> bool:
 
 def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str | None]]:
     """The stage processes a run starts, in order, one per item for a per-item stage; QAD and
-    final_eval only with `selection.policy: qad` (those after selection only if a recipe is selected); the sweep's
-    with `selection.sweep` set. `sweep_only`: the BPE sweep's flow (up to the knee)."""
+    final_eval only with `selection.policy: qad`, the export unless `export.source` is none (those
+    after selection run only if a recipe is selected); the sweep's with `selection.sweep` set.
+    `sweep_only`: the BPE sweep's flow (up to the knee)."""
     runs: list[tuple[Stage, str | None]] = []
     for declared in STAGES.values():
         if sweep_only and declared.name == "selection":

@@ -211,9 +211,10 @@ def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str
 def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     """(MLflow status, why) of a pipeline run, judged from which files exist.
 
-    FINISHED when the flow reached its end: selection chose nothing (the report says why), or
-    the export (of the QAD student, or with ptq_final of the selected recipe) passed its checks. Otherwise FAILED, naming the first
-    stage whose result is missing.
+    FINISHED when the flow reached its end: selection chose nothing (the report says why),
+    nothing was to be exported, or the export (of the QAD student, or with ptq_final of the
+    selected recipe) passed its checks. Otherwise FAILED, naming the first stage whose result is
+    missing.
     """
     if not layout.selection_metrics.is_file():
         missing = next(s for s in STAGES if not STAGES[s].per_recipe and not STAGES[s].sweep
