@@ -43,7 +43,7 @@ from qad_pipeline.results import PTQResult, PTQScores, read_result
 
 
 def run_flow(root: Path, overrides: list[str]) -> dict:
-    from qad_pipeline.flows.pipeline import qad_pipeline
+    from flows.pipeline import qad_pipeline
 
     return qad_pipeline(params_file=str(PROJECT_PARAMS), overrides=overrides, out_root=str(root))
 
@@ -62,8 +62,8 @@ def forward_ms(model, batch: torch.Tensor, repeats: int = 5) -> float:
 def forward_times(params, layout: Layout) -> dict[str, float]:
     import qad_pipeline  # noqa: F401
     from qad_pipeline.modeling import load_model
-    from qad_pipeline.tasks.calibration import load_calibration
-    from qad_pipeline.tasks.ptq import quantize_model
+    from tasks.calibration import load_calibration
+    from tasks.ptq import quantize_model
 
     samples = torch.from_numpy(load_calibration(layout.data))
     batch = samples[: params.ptq.calib_batch_size]
@@ -179,7 +179,7 @@ def llama_dag(root: Path, extra: list[str]) -> None:
 def real_model_exports(root: Path) -> None:
     """The whole DAG on SmolLM2-135M with the defaults, then each PTQ recipe's export; one table."""
     from qad_pipeline.results import ExportMetrics, PTQAlias
-    from qad_pipeline.tasks.export import run_export
+    from tasks.export import run_export
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from real_model import build_real_model

@@ -47,8 +47,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from qad_pipeline import processes, tracking, versioning
 from qad_pipeline.artifacts import list_files
 from qad_pipeline.config import load_params, resolve
-from qad_pipeline.flows.publish import link_tracking, publish_recipe_table, publish_report
-from qad_pipeline.flows.stages import StageFailed, run_stage_process
+from flows.publish import link_tracking, publish_recipe_table, publish_report
+from flows.stages import StageFailed, run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.plots import write_plots
 from qad_pipeline.preflight import preflight
@@ -274,7 +274,7 @@ def run_dag(job: Job, params) -> tuple[dict, list[tuple[str, str | None]]]:
     started = time.time()
     baseline = submit(job, "baseline", after=[calibration])
     seconds["baseline"] = baseline.result()  # no baseline, no recovery: a failed baseline fails the flow
-    from qad_pipeline.flows.sweep import submit_sweep, sweep_ran  # it builds on this module
+    from flows.sweep import submit_sweep, sweep_ran  # it builds on this module
 
     recipes = {name: submit(job, "ptq", name, after=[calibration, baseline]) for name in params.ptq.recipes}
     if with_sweep(params):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from qad_pipeline.flows.stages import run_stage_process
+from flows.stages import run_stage_process
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
 from qad_pipeline.stages import GPU_STAGES

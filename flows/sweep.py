@@ -24,9 +24,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from qad_pipeline import tracking, versioning
 from qad_pipeline.config import load_params
-from qad_pipeline.flows.pipeline import (Job, StageFailed, holding_outputs, parameter_overrides,
+from flows.pipeline import (Job, StageFailed, holding_outputs, parameter_overrides,
                                          stop_everything, submit)
-from qad_pipeline.flows.publish import publish_sweep_table
+from flows.publish import publish_sweep_table
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import preflight
 from qad_pipeline.results import BPESweep, dump_result, read_result

@@ -94,8 +94,8 @@ def _start_flow(flow_name: str, params_file: Path, overrides: list[str] | None, 
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from prefect.exceptions import TerminationSignal
 
-    from qad_pipeline.flows.pipeline import StageFailed, qad_pipeline
-    from qad_pipeline.flows.sweep import bpe_sweep
+    from flows.pipeline import StageFailed, qad_pipeline
+    from flows.sweep import bpe_sweep
     from qad_pipeline.runlock import LockHeld
 
     flow = {"qad-pipeline": qad_pipeline, "bpe-sweep": bpe_sweep}[flow_name]

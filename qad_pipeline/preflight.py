@@ -57,10 +57,10 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     from qad_pipeline import tracking as mlflow_tracking
     from qad_pipeline.memory import check_fits, plan
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
-    from qad_pipeline.tasks.calibration import check_calibration
-    from qad_pipeline.tasks.evaluate import check_tasks
+    from tasks.calibration import check_calibration
+    from tasks.evaluate import check_tasks
     from qad_pipeline.stages import with_sweep
-    from qad_pipeline.tasks.ptq import check_recipe
+    from tasks.ptq import check_recipe
 
     if tracking:
         mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))

@@ -30,9 +30,8 @@ if TYPE_CHECKING:
     from qad_pipeline.config import Params
     from qad_pipeline.layout import Layout
 
-PACKAGE = "qad_pipeline"
-# Where the package's subpackages live in the tree (pyproject.toml's package-dir).
-PACKAGE_DIRS = {"qad_pipeline.tasks": "tasks", "qad_pipeline.flows": "flows", PACKAGE: "qad_pipeline"}
+# The project's packages (pyproject.toml): each is the folder of its name at the project root.
+PACKAGES = ("qad_pipeline", "tasks", "flows")
 
 
 @dataclass(frozen=True)
@@ -125,19 +124,19 @@ MODEL = "${base_model.path}"
 SWEEP_RECIPE = "${ptq.recipe_dir}/${sweep.recipe}.yaml"
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
-    Stage("calibration", "qad_pipeline.tasks.calibration:main", after=(),
+    Stage("calibration", "tasks.calibration:main", after=(),
           params=("base_model.path", "base_model.revision", "base_model.trust_remote_code", "calibration",
                   "eval.seq_len", "eval.ppl_samples", "eval.num_cloze", "eval.num_continuation"),
           inputs=(MODEL, "${calibration.source}"),
           outputs=(Output("artifacts/calibration"),)),
-    Stage("baseline", "qad_pipeline.tasks.evaluate:main", after=("calibration",),
+    Stage("baseline", "tasks.evaluate:main", after=("calibration",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration"),
           outputs=(Output("metrics/baseline.json", "metrics"),
                    Output("artifacts/baseline", note="the BF16 reference distribution every KL is measured against")),
           gpu=True, cached=True, fingerprints=("artifacts/calibration/manifest.json",),
           done=("metrics/baseline.json", "artifacts/baseline/reference/manifest.json")),
-    Stage("ptq", "qad_pipeline.tasks.ptq:main", after=("calibration", "baseline"),
+    Stage("ptq", "tasks.ptq:main", after=("calibration", "baseline"),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
           outputs=(Output("artifacts/ptq/{recipe}"),),
@@ -145,14 +144,14 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           fingerprints=("${ptq.recipe_dir}/{recipe}.yaml", "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json"),
           done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint")),
-    Stage("sweep_search", "qad_pipeline.tasks.sweep_search:main", after=("calibration",),
+    Stage("sweep_search", "tasks.sweep_search:main", after=("calibration",),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe"),
           inputs=(MODEL, SWEEP_RECIPE, "artifacts/calibration"),
           outputs=(Output("artifacts/sweep_search", note="Model Optimizer's search state: calibrations and scores"),),
           gpu=True, cached=True, sweep=True,
           fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json"),
           done=("artifacts/sweep_search/search.json", "artifacts/sweep_search/state.pt")),
-    Stage("sweep", "qad_pipeline.tasks.sweep:main", after=("calibration", "baseline", "sweep_search"),
+    Stage("sweep", "tasks.sweep:main", after=("calibration", "baseline", "sweep_search"),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe", "eval"),
           inputs=(MODEL, SWEEP_RECIPE, EVAL_DATA, "artifacts/calibration", "artifacts/baseline",
                   "artifacts/sweep_search"),
@@ -161,7 +160,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json", "artifacts/sweep_search/search.json"),
           done=("artifacts/sweep/{recipe}/scores.json", "artifacts/sweep/{recipe}/checkpoint")),
-    Stage("bpe_sweep", "qad_pipeline.tasks.bpe_sweep:main", after=("baseline", "ptq", "sweep"),
+    Stage("bpe_sweep", "tasks.bpe_sweep:main", after=("baseline", "ptq", "sweep"),
           params=("ptq.recipes", "sweep"),
           inputs=("metrics/baseline.json", "artifacts/baseline/items.json", "artifacts/ptq", "artifacts/sweep"),
           outputs=(Output("metrics/bpe_sweep.json", "metrics"),
@@ -170,7 +169,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "title": "BPE sweep: median recovery against whole-model bits per element"}),
                    Output("artifacts/bpe_sweep", note="the Pareto plot")),
           sweep=True),
-    Stage("selection", "qad_pipeline.tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
+    Stage("selection", "tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
           params=("ptq.recipes", "selection", "sweep"),
           inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
                   "artifacts/baseline/items.json", "artifacts/ptq", "metrics/bpe_sweep.json", "artifacts/sweep"),
@@ -178,7 +177,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                    Output("metrics/recovery.json", "plots", plot={
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
                        "title": "Median recovery against effective bits per element, per PTQ recipe"}))),
-    Stage("qad", "qad_pipeline.tasks.qad:main", after=("selection",),
+    Stage("qad", "tasks.qad:main", after=("selection",),
           params=("base_model", "calibration", "qad"),
           inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/sweep",
                   "artifacts/calibration"),
@@ -186,13 +185,13 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
           gpu=True, after_selection=True, qad_only=True),
-    Stage("final_eval", "qad_pipeline.tasks.final_eval:main", after=("qad",),
+    Stage("final_eval", "tasks.final_eval:main", after=("qad",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
           gpu=True, after_selection=True, qad_only=True),
-    Stage("export", "qad_pipeline.tasks.export:main", after=("final_eval",),
+    Stage("export", "tasks.export:main", after=("final_eval",),
           params=("base_model", "selection.policy", "export"),
           inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "artifacts/ptq", "artifacts/sweep",
                   "metrics/selection.json"),
@@ -231,14 +230,17 @@ def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str |
 # -- code dependencies: the import graph ----------------------------------------------------------
 
 
+def is_project_module(module: str) -> bool:
+    return module.split(".")[0] in PACKAGES
+
+
 def module_file(module: str) -> Path:
-    """The source file of a project module, found in the tree without importing it."""
-    for package, folder in PACKAGE_DIRS.items():  # the longest package names first
-        if module == package or module.startswith(package + "."):
-            base = PROJECT_ROOT / folder / Path(*module[len(package) + 1:].split(".")) if module != package \
-                else PROJECT_ROOT / folder
-            return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-    raise ValueError(f"{module} is not a module of {PACKAGE}")
+    """The source file of a project module, found in the tree without importing it: its dotted
+    path is its file's path."""
+    if not is_project_module(module):
+        raise ValueError(f"{module} is not a module of this project (its packages: {', '.join(PACKAGES)})")
+    base = PROJECT_ROOT.joinpath(*module.split("."))
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
 
 def _imports(module: str, path: Path) -> set[str]:
@@ -256,7 +258,7 @@ def _imports(module: str, path: Path) -> set[str]:
             names = [base, *(f"{base}.{alias.name}" for alias in node.names)]  # `from pkg import module`
         else:
             continue
-        found.update(n for n in names if n == PACKAGE or n.startswith(PACKAGE + "."))
+        found.update(n for n in names if is_project_module(n))
     return found
 
 

@@ -44,20 +44,9 @@ QAD_STEPS = 20  # enough steps for a tokens/s figure past the first step's warm-
 
 
 def import_project() -> None:
-    """Make `qad_pipeline` and `qad_pipeline.tasks` importable from this checkout, installed or not."""
+    """Make the project's packages (`qad_pipeline`, `tasks`, `flows`) importable from this checkout,
+    installed or not: each is the folder of its name at the project root."""
     sys.path.insert(0, str(PROJECT))
-    if importlib.util.find_spec("qad_pipeline.tasks") is not None:
-        return
-    # Not installed: pyproject maps qad_pipeline.tasks to tasks/; do the same by hand.
-    import qad_pipeline
-
-    spec = importlib.util.spec_from_file_location(
-        "qad_pipeline.tasks", PROJECT / "tasks" / "__init__.py", submodule_search_locations=[str(PROJECT / "tasks")]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["qad_pipeline.tasks"] = module
-    spec.loader.exec_module(module)
-    qad_pipeline.tasks = module
 
 
 @dataclass
@@ -191,8 +180,8 @@ def env_stage(device: str):
     import modelopt.torch.quantization as mtq  # noqa: F401
     from modelopt.torch.quantization import tensor_quant
 
-    import qad_pipeline.tasks.export  # noqa: F401
-    import qad_pipeline.tasks.qad  # noqa: F401
+    import tasks.export  # noqa: F401
+    import tasks.qad  # noqa: F401
     from qad_pipeline import nvfp4_cpu
 
     if device == "cuda":
@@ -292,7 +281,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
 
     def calibration():
         from qad_pipeline.modeling import load_tokenizer
-        from qad_pipeline.tasks.calibration import build_calibration
+        from tasks.calibration import build_calibration
 
         m = build_calibration(params, load_tokenizer(params.base_model), layout.data)
         return m, (f"{m['calibration']['samples']} x {m['calibration']['seq_len']} tokens, "
@@ -301,7 +290,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     calibrated = check.run(tag, "calibration", calibration) is not None
 
     def baseline():
-        from qad_pipeline.tasks.evaluate import run_baseline
+        from tasks.evaluate import run_baseline
 
         m = run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
         scores = ", ".join(f"{t} {s['value']:.4g}" for t, s in m["tasks"].items())
@@ -312,7 +301,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     ptq_ok = []
     for recipe in recipes:
         def ptq(recipe=recipe):
-            from qad_pipeline.tasks.ptq import run_ptq
+            from tasks.ptq import run_ptq
 
             r = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
             t = r["timing_s"]
@@ -325,7 +314,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
 
     def forward():
         from qad_pipeline.modeling import input_device, load_model
-        from qad_pipeline.tasks.calibration import load_calibration
+        from tasks.calibration import load_calibration
 
         samples = torch.from_numpy(load_calibration(layout.data))[: params.ptq.calib_batch_size]
         model = load_model(params.base_model, params.hardware)
@@ -343,7 +332,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     check.run(tag, "forward (fake-quant vs bf16)", forward, bool(ptq_ok))
 
     def selection():
-        from qad_pipeline.tasks.selection import run_selection
+        from tasks.selection import run_selection
 
         s = run_selection(params, layout)
         return s.selected, f"selected {s.selected}"
@@ -352,7 +341,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     student = selected or (ptq_ok[0] if ptq_ok else None)
 
     def qad():
-        from qad_pipeline.tasks.qad import run_qad
+        from tasks.qad import run_qad
 
         r = run_qad(params, layout.ptq(student) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
         tokens_s = r["steps_per_second"] * r["tokens_per_step"]
@@ -363,7 +352,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     trained = check.run(tag, "qad", qad, student is not None) is not None
 
     def export():
-        from qad_pipeline.tasks.export import run_export
+        from tasks.export import run_export
 
         source = "QAD student"
         exporting = params

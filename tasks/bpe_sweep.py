@@ -19,7 +19,7 @@ from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.results import (BaselineMetrics, BPECurve, BPESweep, Knee, RecipeMetrics, RecoveryPoint,
                                   SweepPoint, SweepSearch, read_result, write_result)
-from qad_pipeline.tasks.selection import recipe_metrics
+from tasks.selection import recipe_metrics
 
 
 def _pts(x: float) -> str:

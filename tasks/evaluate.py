@@ -24,7 +24,7 @@ import yaml
 from qad_pipeline.artifacts import write_json
 from qad_pipeline.config import ConfigError, EvalParams, Params, resolve
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.calibration import load_ppl_windows
+from tasks.calibration import load_ppl_windows
 
 def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | None:
     """The project's task YAML, pointed at the held-out jsonl of this run; None if not ours."""

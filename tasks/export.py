@@ -185,13 +185,12 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
 def run_export(params: Params, layout: Layout) -> dict:
     """Stage core: export the QAD student (or a PTQ checkpoint: `export_source`), verify it, put it in
     place; write metrics/export.json."""
-    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.serving_reference import held_out_prompts, reference_bytes, student_reference, write_reference
     from qad_pipeline.sizes import size_report
-    from qad_pipeline.tasks.calibration import load_ppl_windows
+    from tasks.calibration import load_ppl_windows
 
     source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]

@@ -37,9 +37,8 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
     """Stage core: evaluate the QAD student against the BF16 baseline; write metrics/qad.json."""
     import torch
 
-    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.tasks.evaluate import evaluate_model
+    from tasks.evaluate import evaluate_model
 
     recipe = read_result(layout.selection_metrics, SelectionResult).selected
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)

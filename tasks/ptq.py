@@ -35,8 +35,8 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
 from qad_pipeline.results import AutoQuantizeResult, PTQAlias, PTQScores, dump_result, write_result
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
-from qad_pipeline.tasks.calibration import load_calibration
-from qad_pipeline.tasks.evaluate import evaluate_model
+from tasks.calibration import load_calibration
+from tasks.evaluate import evaluate_model
 
 def load_quantize_config(recipe_path: Path):
     """The recipe's quantize section, through Model Optimizer's own recipe loader."""

@@ -104,7 +104,7 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
 
 def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
     """QAD training text at qad.seq_len: the calibration documents unless qad.source is set."""
-    from qad_pipeline.tasks.calibration import read_documents, token_windows
+    from tasks.calibration import read_documents, token_windows
 
     cal = params.calibration
     if params.qad.source is None:
@@ -164,7 +164,6 @@ def enable_gradient_checkpointing(student) -> None:
 
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path) -> dict:
     """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve."""
-    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from modelopt.torch.distill.losses import LogitsDistillationLoss
 
     qad = params.qad
@@ -248,7 +247,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     }
     final = trained_student(student, world, params, student_dir)
     if world.rank == 0:
-        from qad_pipeline.tasks.ptq import save_quantized
+        from tasks.ptq import save_quantized
 
         with staged_dir(out_dir) as tmp:
             save_quantized(final, tokenizer, tmp / "model")

@@ -45,7 +45,7 @@ from qad_pipeline.results import (
     read_result,
     write_result,
 )
-from qad_pipeline.tasks.ptq import recipe_aliases
+from tasks.ptq import recipe_aliases
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 

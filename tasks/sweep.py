@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.ptq import run_ptq
-from qad_pipeline.tasks.sweep_search import STATE
+from tasks.ptq import run_ptq
+from tasks.sweep_search import STATE
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:

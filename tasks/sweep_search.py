@@ -25,10 +25,9 @@ STATE = "state.pt"
 
 def run_sweep_search(params: Params, layout: Layout) -> SweepSearch:
     """Stage core: search once with the sweep's recipe; keep Model Optimizer's search state."""
-    import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels when there is no GPU)
     from qad_pipeline.modeling import load_model
-    from qad_pipeline.tasks.calibration import load_calibration
-    from qad_pipeline.tasks.ptq import tied_embeddings
+    from tasks.calibration import load_calibration
+    from tasks.ptq import tied_embeddings
 
     recipe_path = params.recipe_path(params.sweep.recipe)
     spec = autoquant.check_recipe(recipe_path, params.sweep.budgets, params.base_model)

@@ -40,7 +40,7 @@ def pipeline_run(tmp_path_factory, demo_model_path):
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from qad_pipeline.flows.pipeline import qad_pipeline
+    from flows.pipeline import qad_pipeline
 
     root = tmp_path_factory.mktemp("run")
     recipes = root / "recipes"

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from qad_pipeline import tracking
 from qad_pipeline.cli import app
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
-from qad_pipeline.tasks.calibration import read_documents
+from tasks.calibration import read_documents
 
 runner = CliRunner()
 GOOD_RECIPE = "nvfp4_max-mamba_fp8-kv_fp8"

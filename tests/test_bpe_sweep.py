@@ -7,7 +7,7 @@ import torch
 from qad_pipeline import autoquant
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
 from qad_pipeline.results import SweepPoint
-from qad_pipeline.tasks.bpe_sweep import choose_knee, monotone_within, noise
+from tasks.bpe_sweep import choose_knee, monotone_within, noise
 
 SWEEP_RECIPE = PROJECT_ROOT / "recipes" / "autoquant_4o6-fp8-kv_fp8.yaml"
 
@@ -94,7 +94,7 @@ def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.sizes import size_report
     from qad_pipeline.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
-    from qad_pipeline.tasks.export import repair_layer_names
+    from tasks.export import repair_layer_names
 
     params = load_params()
     model = load_model(params.base_model, params.hardware)
@@ -142,7 +142,7 @@ def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
     from prefect.testing.utilities import prefect_test_harness
 
     from qad_pipeline import tracking
-    from qad_pipeline.flows.sweep import bpe_sweep
+    from flows.sweep import bpe_sweep
     from qad_pipeline.layout import Layout
     from qad_pipeline.results import BPESweep, PTQScores, read_result
     from tests.conftest import GOOD_RECIPES, TINY

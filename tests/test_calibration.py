@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import load_params
-from qad_pipeline.tasks.calibration import build_calibration, load_calibration, split_documents
+from tasks.calibration import build_calibration, load_calibration, split_documents
 
 
 def test_split_is_disjoint_seeded_and_nonempty():

@@ -169,7 +169,7 @@ def test_prefect_run_is_recorded_in_dvc(project):
     from prefect.testing.utilities import prefect_test_harness
 
     from qad_pipeline import versioning
-    from qad_pipeline.flows.pipeline import qad_pipeline
+    from flows.pipeline import qad_pipeline
 
     repo = project[0]
     set_params(repo, ["qad.lr=5.0e-5"])

@@ -6,7 +6,7 @@ import torch
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError
 from qad_pipeline.sizes import size_report
-from qad_pipeline.tasks.calibration import load_ppl_windows
+from tasks.calibration import load_ppl_windows
 from qad_pipeline.export_checks import (
     check_formats,
     check_reload,
@@ -16,7 +16,7 @@ from qad_pipeline.export_checks import (
     reload_reference,
     student_input_scales,
 )
-from qad_pipeline.tasks.export import check_target
+from tasks.export import check_target
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 

@@ -176,7 +176,7 @@ def test_a_stage_peak_is_its_own_not_its_parents():
     import subprocess
     import sys
 
-    from qad_pipeline.flows.stages import wait_with_peak
+    from flows.stages import wait_with_peak
 
     parent = bytearray(600 * 2**20)  # resident: every page written
     parent[::4096] = b"x" * len(parent[::4096])

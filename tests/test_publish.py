@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from qad_pipeline.flows import publish
+from flows import publish
 
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, load_params
@@ -29,7 +29,7 @@ def test_artifact_keys_are_per_base_model_and_valid_prefect_keys():
 
 
 def test_pipeline_tasks_have_fixed_run_names(tmp_path):
-    from qad_pipeline.flows import pipeline
+    from flows import pipeline
     from qad_pipeline.stages import STAGES
 
     job = pipeline.Job(str(PROJECT_PARAMS), [], Layout(tmp_path))

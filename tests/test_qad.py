@@ -15,7 +15,7 @@ from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, StageError, load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.distributed import World, check_processes, resume, save_checkpoint
-from qad_pipeline.tasks.qad import CHECKPOINT, QADDiverged, enable_gradient_checkpointing, lr_lambda, run_qad
+from tasks.qad import CHECKPOINT, QADDiverged, enable_gradient_checkpointing, lr_lambda, run_qad
 
 
 def stage_cmd(layout, overrides):
@@ -184,7 +184,7 @@ def test_the_student_checks_honour_trust_remote_code(demo_model_path, monkeypatc
     with its own code would otherwise fail at QAD, after PTQ worked)."""
     import transformers
 
-    from qad_pipeline.tasks.qad import check_student_matches_teacher
+    from tasks.qad import check_student_matches_teacher
 
     seen = []
     for cls in (transformers.AutoConfig, transformers.AutoTokenizer):

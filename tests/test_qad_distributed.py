@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.qad import CHECKPOINT
+from tasks.qad import CHECKPOINT
 from tests.test_qad import stage_cmd
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from qad_pipeline.config import load_params
 from qad_pipeline.modeling import load_model
 from qad_pipeline.reference import Reference, ReferenceWriter, logprob_chunks, score_windows
-from qad_pipeline.tasks.calibration import load_calibration, load_ppl_windows
+from tasks.calibration import load_calibration, load_ppl_windows
 from tests.conftest import GOOD_RECIPES
 
 AGGRESSIVE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
@@ -17,7 +17,7 @@ AGGRESSIVE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
 @pytest.fixture(scope="module")
 def models(pipeline_run):
     """The BF16 demo model, the most aggressive recipe's quantized model, and the run's eval windows."""
-    from qad_pipeline.tasks.ptq import quantize_model
+    from tasks.ptq import quantize_model
 
     _, layout, overrides, _ = pipeline_run
     params = load_params(overrides=overrides)
@@ -86,7 +86,7 @@ def test_the_reference_is_bounded_and_belongs_to_its_windows(models):
 
 def test_ptq_never_runs_the_bf16_model_over_the_eval_windows(models, monkeypatch, tmp_path):
     """One model is loaded, and nothing runs through it before Model Optimizer quantizes it."""
-    import qad_pipeline.tasks.ptq as ptq
+    import tasks.ptq as ptq
 
     params, layout, _, _, _ = models
     loaded, forwards_before_quantize = [], []

@@ -4,7 +4,7 @@ import pytest
 
 from qad_pipeline.config import SelectionParams
 from qad_pipeline.recovery import median_recovery, recoveries, task_recovery
-from qad_pipeline.tasks.selection import RecipeRow, select_recipe
+from tasks.selection import RecipeRow, select_recipe
 
 QAD = SelectionParams(policy="qad", band=(0.95, 0.99), ptq_final_min=0.99)
 FINAL = SelectionParams(policy="ptq_final", band=(0.95, 0.99), ptq_final_min=0.99)
@@ -145,7 +145,7 @@ def test_no_selected_recipe_is_dominated():
     less recovery, and it is always eligible when some recipe is."""
     import random
 
-    from qad_pipeline.tasks.selection import dominated
+    from tasks.selection import dominated
 
     rng = random.Random(0)
     for _ in range(2000):
@@ -213,7 +213,7 @@ def test_items_of_lm_eval_samples_pair_by_doc_and_average_to_the_score():
     import numpy as np
     from lm_eval.api.metrics import brier_score
 
-    from qad_pipeline.tasks.evaluate import task_items
+    from tasks.evaluate import task_items
 
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(4), size=30)

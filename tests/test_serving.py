@@ -15,11 +15,11 @@ from qad_pipeline import serving
 from qad_pipeline import serving_reference
 from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.tasks.calibration import build_calibration
-from qad_pipeline.tasks.evaluate import run_baseline
+from tasks.calibration import build_calibration
+from tasks.evaluate import run_baseline
 from qad_pipeline.export_checks import read_tensors
-from qad_pipeline.tasks.export import run_export
-from qad_pipeline.tasks.ptq import run_ptq
+from tasks.export import run_export
+from tasks.ptq import run_ptq
 from tests.conftest import TINY
 
 RECIPE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"  # the most aggressive: NVFP4 W4A4 MLP, NVFP4 KV cache

@@ -37,11 +37,11 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
 def test_code_modules_follow_function_local_imports():
     # tasks/qad.py imports qad_pipeline.runlock inside a function, and the package's __init__
     # installs the CPU kernels from a function too
-    modules = code_modules("qad_pipeline.tasks.qad")
-    assert {"qad_pipeline.runlock", "qad_pipeline.nvfp4_cpu", "qad_pipeline", "qad_pipeline.tasks"} <= set(modules)
-    assert "qad_pipeline.cli" not in modules and "qad_pipeline.flows.pipeline" not in modules
-    assert module_file("qad_pipeline.tasks.qad") == PROJECT_ROOT / "tasks" / "qad.py"
-    assert module_file("qad_pipeline.flows") == PROJECT_ROOT / "flows" / "__init__.py"
+    modules = code_modules("tasks.qad")
+    assert {"qad_pipeline.runlock", "qad_pipeline.nvfp4_cpu", "qad_pipeline", "tasks"} <= set(modules)
+    assert "qad_pipeline.cli" not in modules and "flows.pipeline" not in modules
+    assert module_file("tasks.qad") == PROJECT_ROOT / "tasks" / "qad.py"
+    assert module_file("flows") == PROJECT_ROOT / "flows" / "__init__.py"
 
 
 @pytest.mark.parametrize("stage", ["ptq", "export"])
@@ -94,7 +94,7 @@ def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
     from qad_pipeline.config import ConfigError
     from qad_pipeline.layout import Layout
     from qad_pipeline.results import write_result
-    from qad_pipeline.tasks.export import export_source
+    from tasks.export import export_source
     from tests import samples
 
     layout = Layout(tmp_path)

@@ -36,8 +36,8 @@ from qad_pipeline.results import (
     read_result,
     write_result,
 )
-from qad_pipeline.tasks.final_eval import comparison_table
-from qad_pipeline.tasks.selection import run_selection
+from tasks.final_eval import comparison_table
+from tasks.selection import run_selection
 from qad_pipeline.tracking.children import ptq_child
 from qad_pipeline.tracking.stale import process_tags
 from tests import samples

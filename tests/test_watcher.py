@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from qad_pipeline.flows import watcher
-from qad_pipeline.flows.watcher import WatcherError, load_state, scan_folder, slug, state_lock, watch_base_checkpoints
+from flows import watcher
+from flows.watcher import WatcherError, load_state, scan_folder, slug, state_lock, watch_base_checkpoints
 
 STUB_FLOW = "qad-pipeline-stub"
 SHA_A, SHA_B = "a" * 40, "b" * 40
@@ -187,7 +187,7 @@ def flow_runs(deployment_id) -> list:
 def watcher_in_a_new_process(**params) -> subprocess.CompletedProcess:
     from prefect.settings import PREFECT_API_URL
 
-    code = ("import json, sys; from qad_pipeline.flows.watcher import watch_base_checkpoints as w; "
+    code = ("import json, sys; from flows.watcher import watch_base_checkpoints as w; "
             "print(json.dumps(w(**json.loads(sys.argv[1]))))")
     env = dict(os.environ, PREFECT_API_URL=PREFECT_API_URL.value())
     return subprocess.run([sys.executable, "-c", code, json.dumps(params)], env=env, capture_output=True, text=True,
