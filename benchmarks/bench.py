@@ -61,8 +61,8 @@ def forward_ms(model, batch: torch.Tensor, repeats: int = 5) -> float:
 
 def forward_times(params, layout: Layout) -> dict[str, float]:
     import qad_pipeline  # noqa: F401
+    from qad_pipeline.calibration_data import load_calibration
     from qad_pipeline.modeling import load_model
-    from tasks.calibration import load_calibration
     from tasks.ptq import quantize_model
 
     samples = torch.from_numpy(load_calibration(layout.data))

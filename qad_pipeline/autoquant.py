@@ -151,8 +151,7 @@ def _feasibility_minimum(spec: AutoQuantizeSpec, base_model, bound: float) -> fl
 
     from transformers import AutoModelForCausalLM
 
-    from qad_pipeline.modeling import load_config
-    from tasks.ptq import tied_embeddings
+    from qad_pipeline.modeling import load_config, tied_embeddings
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(load_config(base_model), trust_remote_code=base_model.trust_remote_code)

@@ -214,3 +214,18 @@ def checkpoint_identity(params: BaseModelParams) -> dict:
         ident["sha256"] = folder_sha256(folder)
     return ident
 
+
+def tied_embeddings(model) -> bool:
+    """The output embedding (`lm_head`) is the input embedding's own tensor (`tie_word_embeddings`)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+
+def save_quantized(model, tokenizer, folder: Path) -> None:
+    """Save with quantizer state so `load_model` + Model Optimizer restore it without recalibrating."""
+    import modelopt.torch.opt as mto
+
+    mto.enable_huggingface_checkpointing()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

@@ -55,12 +55,12 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     params.yaml is loaded."""
     from qad_pipeline import autoquant
     from qad_pipeline import tracking as mlflow_tracking
+    from qad_pipeline.calibration_data import check_calibration
+    from qad_pipeline.evaluation import check_tasks
     from qad_pipeline.memory import check_fits, plan
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
-    from tasks.calibration import check_calibration
-    from tasks.evaluate import check_tasks
+    from qad_pipeline.recipes import check_recipe
     from qad_pipeline.stages import with_sweep
-    from tasks.ptq import check_recipe
 
     if tracking:
         mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))

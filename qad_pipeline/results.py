@@ -30,7 +30,7 @@ class _Strict(BaseModel):
 
 
 class TaskScore(_Strict):
-    """One task's score (tasks/evaluate.py: primary_score); `recovery` and its interval once it is
+    """One task's score (qad_pipeline/evaluation.py: primary_score); `recovery` and its interval once it is
     compared with BF16 (qad_pipeline/recovery.py: score_recovery, which runs on dumped dicts)."""
 
     metric: str
@@ -72,7 +72,7 @@ class ModelIdentity(_Strict):  # qad_pipeline/modeling.py: checkpoint_identity
     sha256: str | None = None  # a local folder's; a hub id has none
 
 
-class BaselineMetrics(_Strict):  # metrics/baseline.json (tasks/evaluate.py: run_baseline)
+class BaselineMetrics(_Strict):  # metrics/baseline.json (tasks/baseline.py: run_baseline)
     model: ModelIdentity
     tasks: dict[str, TaskScore]
     reference: dict[str, Any]  # the BF16 reference's k, tail_samples and fingerprint (nothing reads them)

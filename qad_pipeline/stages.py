@@ -129,7 +129,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                   "eval.seq_len", "eval.ppl_samples", "eval.num_cloze", "eval.num_continuation"),
           inputs=(MODEL, "${calibration.source}"),
           outputs=(Output("artifacts/calibration"),)),
-    Stage("baseline", "tasks.evaluate:main", after=("calibration",),
+    Stage("baseline", "tasks.baseline:main", after=("calibration",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration"),
           outputs=(Output("metrics/baseline.json", "metrics"),
@@ -243,7 +243,7 @@ def module_file(module: str) -> Path:
     return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
 
-def _imports(module: str, path: Path) -> set[str]:
+def imports_of(module: str, path: Path) -> set[str]:
     """The project modules named by every import statement in `path`, function-local ones included."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
@@ -277,5 +277,5 @@ def code_modules(entry: str) -> tuple[str, ...]:
         seen.add(name)
         parts = name.split(".")
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a module runs its packages
-        todo += _imports(name, path)
+        todo += imports_of(name, path)
     return tuple(sorted(seen))

@@ -158,9 +158,9 @@ def wheel_names() -> list[str]:
 
 
 def env_stage(device: str):
-    import tomllib
     from importlib import metadata
 
+    import tomllib
     import torch
 
     lines = [f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda})"]
@@ -290,7 +290,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     calibrated = check.run(tag, "calibration", calibration) is not None
 
     def baseline():
-        from tasks.evaluate import run_baseline
+        from tasks.baseline import run_baseline
 
         m = run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
         scores = ", ".join(f"{t} {s['value']:.4g}" for t, s in m["tasks"].items())
@@ -313,8 +313,8 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
             ptq_ok.append(recipe)
 
     def forward():
+        from qad_pipeline.calibration_data import load_calibration
         from qad_pipeline.modeling import input_device, load_model
-        from tasks.calibration import load_calibration
 
         samples = torch.from_numpy(load_calibration(layout.data))[: params.ptq.calib_batch_size]
         model = load_model(params.base_model, params.hardware)

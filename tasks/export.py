@@ -187,10 +187,10 @@ def run_export(params: Params, layout: Layout) -> dict:
     place; write metrics/export.json."""
     from modelopt.torch.export import export_hf_checkpoint
 
+    from qad_pipeline.calibration_data import load_ppl_windows
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.serving_reference import held_out_prompts, reference_bytes, student_reference, write_reference
     from qad_pipeline.sizes import size_report
-    from tasks.calibration import load_ppl_windows
 
     source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]

@@ -13,8 +13,8 @@ from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.recovery import score_recovery
-from qad_pipeline.results import (BaselineMetrics, QADMetrics, QADTraining, RecipeMetrics, SelectionResult,
-                                  dump_result, read_result, write_result)
+from qad_pipeline.results import (BaselineMetrics, QADMetrics, QADTraining, RecipeMetrics, SelectionResult, dump_result,
+                                  read_result, write_result)
 
 
 def comparison_table(baseline: BaselineMetrics, ptq: RecipeMetrics, qad: QADMetrics,
@@ -37,8 +37,8 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
     """Stage core: evaluate the QAD student against the BF16 baseline; write metrics/qad.json."""
     import torch
 
+    from qad_pipeline.evaluation import evaluate_model
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from tasks.evaluate import evaluate_model
 
     recipe = read_result(layout.selection_metrics, SelectionResult).selected
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)

@@ -63,13 +63,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from qad_pipeline.artifacts import fingerprint, staged_dir
-from qad_pipeline.config import ConfigError, Params, StageError, QADParams
-from qad_pipeline.distributed import (join_world, launch_processes, resume, save_checkpoint, spread,
-                                      trained_student)
+from qad_pipeline.config import ConfigError, Params, QADParams, StageError
+from qad_pipeline.distributed import join_world, launch_processes, resume, save_checkpoint, spread, trained_student
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-from qad_pipeline.results import (CalibrationManifest, LossCurve, QADTraining, SelectionResult, read_result,
-                                  write_result)
+from qad_pipeline.results import CalibrationManifest, LossCurve, QADTraining, SelectionResult, read_result, write_result
 
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
@@ -104,7 +102,7 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
 
 def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
     """QAD training text at qad.seq_len: the calibration documents unless qad.source is set."""
-    from tasks.calibration import read_documents, token_windows
+    from qad_pipeline.calibration_data import read_documents, token_windows
 
     cal = params.calibration
     if params.qad.source is None:
@@ -247,7 +245,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     }
     final = trained_student(student, world, params, student_dir)
     if world.rank == 0:
-        from tasks.ptq import save_quantized
+        from qad_pipeline.modeling import save_quantized
 
         with staged_dir(out_dir) as tmp:
             save_quantized(final, tokenizer, tmp / "model")

@@ -28,24 +28,11 @@ from pathlib import Path
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, Params, SelectionParams
 from qad_pipeline.layout import Layout
+from qad_pipeline.recipes import recipe_aliases
 from qad_pipeline.recovery import score_recovery
-from qad_pipeline.results import (
-    BaselineMetrics,
-    BPESweep,
-    PTQResult,
-    RecipeAlias,
-    RecipeFailed,
-    RecipeMetrics,
-    RecipeResult,
-    RecipeRow,
-    RecoveryPoint,
-    RecoveryTable,
-    SelectionResult,
-    dump_result,
-    read_result,
-    write_result,
-)
-from tasks.ptq import recipe_aliases
+from qad_pipeline.results import (BaselineMetrics, BPESweep, PTQResult, RecipeAlias, RecipeFailed, RecipeMetrics,
+                                  RecipeResult, RecipeRow, RecoveryPoint, RecoveryTable, SelectionResult, dump_result,
+                                  read_result, write_result)
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 

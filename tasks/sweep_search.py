@@ -25,9 +25,8 @@ STATE = "state.pt"
 
 def run_sweep_search(params: Params, layout: Layout) -> SweepSearch:
     """Stage core: search once with the sweep's recipe; keep Model Optimizer's search state."""
-    from qad_pipeline.modeling import load_model
-    from tasks.calibration import load_calibration
-    from tasks.ptq import tied_embeddings
+    from qad_pipeline.calibration_data import load_calibration
+    from qad_pipeline.modeling import load_model, tied_embeddings
 
     recipe_path = params.recipe_path(params.sweep.recipe)
     spec = autoquant.check_recipe(recipe_path, params.sweep.budgets, params.base_model)

@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from qad_pipeline import tracking
+from qad_pipeline.calibration_data import read_documents
 from qad_pipeline.cli import app
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
-from tasks.calibration import read_documents
 
 runner = CliRunner()
 GOOD_RECIPE = "nvfp4_max-mamba_fp8-kv_fp8"

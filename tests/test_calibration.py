@@ -4,8 +4,9 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from qad_pipeline.artifacts import read_json
+from qad_pipeline.calibration_data import load_calibration, split_documents
 from qad_pipeline.config import load_params
-from tasks.calibration import build_calibration, load_calibration, split_documents
+from tasks.calibration import build_calibration
 
 
 def test_split_is_disjoint_seeded_and_nonempty():

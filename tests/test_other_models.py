@@ -10,9 +10,10 @@ from qad_pipeline.artifacts import read_json
 from qad_pipeline.cli import Stage, run_stage
 from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.recipes import recipe_aliases
+from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
-from tasks.evaluate import run_baseline
-from tasks.ptq import recipe_aliases, run_ptq
+from tasks.ptq import run_ptq
 from tests.conftest import TINY
 
 

@@ -213,7 +213,7 @@ def test_items_of_lm_eval_samples_pair_by_doc_and_average_to_the_score():
     import numpy as np
     from lm_eval.api.metrics import brier_score
 
-    from tasks.evaluate import task_items
+    from qad_pipeline.evaluation import task_items
 
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(4), size=30)

@@ -11,13 +11,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from qad_pipeline import serving
-from qad_pipeline import serving_reference
+from qad_pipeline import serving, serving_reference
 from qad_pipeline.config import load_params
-from qad_pipeline.layout import Layout
-from tasks.calibration import build_calibration
-from tasks.evaluate import run_baseline
 from qad_pipeline.export_checks import read_tensors
+from qad_pipeline.layout import Layout
+from tasks.baseline import run_baseline
+from tasks.calibration import build_calibration
 from tasks.export import run_export
 from tasks.ptq import run_ptq
 from tests.conftest import TINY

@@ -10,7 +10,7 @@ import yaml
 
 from qad_pipeline.cli import Stage
 from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.stages import STAGES, code_modules, module_file, planned
+from qad_pipeline.stages import PACKAGES, STAGES, code_modules, module_file, planned
 from qad_pipeline.versioning import dvc_yaml, stage_names
 
 
@@ -24,8 +24,10 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
-    assert {"qad_pipeline/modeling.py", "tasks/calibration.py", "qad_pipeline/nvfp4_cpu.py"} <= set(ptq["deps"])
-    assert "tasks/qad.py" not in ptq["deps"] and "qad" not in ptq["params"]
+    assert {"qad_pipeline/modeling.py", "qad_pipeline/calibration_data.py", "qad_pipeline/nvfp4_cpu.py"} <= set(ptq["deps"])
+    # and only that: the calibration stage's own module, or QAD's, is not
+    assert {"tasks/calibration.py", "tasks/baseline.py", "tasks/qad.py"}.isdisjoint(ptq["deps"])
+    assert "qad" not in ptq["params"]
     assert "artifacts/ptq/${item}" in ptq["outs"]
     for name, stage in stages.items():
         body = stage.get("do", stage)
@@ -45,13 +47,14 @@ def test_code_modules_follow_function_local_imports():
 
 
 @pytest.mark.parametrize("stage", ["ptq", "export"])
-def test_import_graph_covers_what_python_really_imports(stage):
-    """Every project module that importing the stage's module loads is one of its code dependencies."""
+def test_import_graph_covers_what_python_really_imports(stage, tmp_path):
+    """Every project module that importing the stage's module loads is one of its code dependencies
+    (imported by its dotted path from another folder: the installed project, no path tricks)."""
     module = STAGES[stage].module
     script = (f"import sys, {module}\n"
-              "print(__import__('json').dumps(sorted(m for m in sys.modules if m.startswith('qad_pipeline'))))")
+              f"print(__import__('json').dumps(sorted(m for m in sys.modules if m.split('.')[0] in {PACKAGES})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                       check=True, cwd=PROJECT_ROOT).stdout)
+                                       check=True, cwd=tmp_path).stdout)
     assert module in loaded
     assert set(loaded) <= set(code_modules(module))
 

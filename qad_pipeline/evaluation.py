@@ -1,4 +1,4 @@
-"""Evaluation: lm-eval tasks, perplexity and KL divergence; `qad-pipeline stage baseline`.
+"""Evaluation: lm-eval tasks, perplexity and KL divergence, the same for every model.
 
 `evaluate_model` scores any model object (BF16, fake-quantized PTQ, QAD student) the same way:
 
@@ -10,8 +10,8 @@
 * KL divergence to the BF16 model's next-token distribution, read from the reference that the
   baseline wrote (`qad_pipeline.reference`: top-k log-probs + rest mass, streamed).
 
-The BF16 baseline stage (`run_baseline`) writes `metrics/baseline.json` and that reference
-(`artifacts/baseline/reference/`), in one pass over the held-out windows.
+The BF16 baseline stage (`tasks/baseline.py`) writes `metrics/baseline.json` and that
+reference (`artifacts/baseline/reference/`); PTQ, the sweep and the final eval score against it.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from qad_pipeline.artifacts import write_json
-from qad_pipeline.config import ConfigError, EvalParams, Params, resolve
-from qad_pipeline.layout import Layout
-from tasks.calibration import load_ppl_windows
+from qad_pipeline.calibration_data import load_ppl_windows
+from qad_pipeline.config import ConfigError, EvalParams, resolve
+
 
 def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | None:
     """The project's task YAML, pointed at the held-out jsonl of this run; None if not ours."""
@@ -175,24 +174,3 @@ def evaluate_model(
     return result
 
 
-def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_dir: Path) -> dict:
-    """Stage core: score the BF16 base model; write metrics/baseline.json and the BF16 reference."""
-    from qad_pipeline.artifacts import staged_dir
-    from qad_pipeline.modeling import checkpoint_identity, load_model, load_tokenizer
-    from qad_pipeline.results import BaselineMetrics, dump_result, write_result
-    from qad_pipeline.sizes import size_report
-
-    model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
-    with staged_dir(reference_dir) as tmp:
-        scores = evaluate_model(model, tokenizer, params.eval, data_dir, write_reference=tmp)
-    write_json(Path(reference_dir).parent / "items.json", scores.pop("items"))
-    sizes = size_report(model)
-    metrics = BaselineMetrics(model=checkpoint_identity(params.base_model), **scores,
-                              effective_bpe=sizes["effective_bpe"], size_bytes=sizes["size_bytes"], status="ok")
-    write_result(metrics_path, metrics)
-    return dump_result(metrics)
-
-
-def main(params: Params, layout: Layout, recipe: str | None = None) -> None:
-    """The baseline stage: `qad-pipeline stage baseline`."""
-    run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
