@@ -231,8 +231,8 @@ def flow_figures(root: Path, params) -> None:
     print(f"\n== stage wall times, one run with {n} recipes in parallel (s) ==")
     for stage, s in parallel["seconds"].items():
         print(f"{stage:<45} {s:8.1f}")
-    par, seq = parallel["seconds"]["baseline+ptq (wall)"], sequential["seconds"]["baseline+ptq (wall)"]
-    print(f"\n== baseline + {n} PTQ recipes ==")
+    par, seq = parallel["seconds"]["up to selection (wall)"], sequential["seconds"]["up to selection (wall)"]
+    print(f"\n== calibration, baseline, {n} PTQ recipes and selection ==")
     print(f"in parallel (max_parallel={n}): {par:8.1f} s")
     print(f"one after another (max_parallel=1): {seq:8.1f} s   speed-up x{seq / par:.2f} on {os.cpu_count()} CPUs")
 

@@ -1,5 +1,6 @@
-"""What the flow shows in the Prefect UI besides its task runs: the recipe table, the report and
-the link to the run's MLflow run, as artifacts keyed per base model, and the flow run's tags.
+"""What a run shows besides its task runs: in Prefect, the recipe table, the report and the link
+to the run's MLflow run, as artifacts keyed per base model, and the flow run's tags; in MLflow,
+the parent run opened at the start (`start_tracking`) and everything logged at the end (`track`).
 
 Prefect artifact keys are lowercase letters, digits and dashes, and a key is shared by every flow
 run that publishes it (the Artifacts page shows its latest version); so each key ends in the base
@@ -13,9 +14,11 @@ import os
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from flows.runtime import flow_run_id
 from qad_pipeline import tracking
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import report_markdown
+from qad_pipeline.results import RunSummary
 
 
 def artifact_key(name: str, params) -> str:
@@ -26,15 +29,15 @@ def artifact_key(name: str, params) -> str:
     return f"{name}-{'-'.join(w for w in words if w)}"[:200].rstrip("-")
 
 
-def publish_recipe_table(params, summary: dict) -> None:
+def publish_recipe_table(params, summary: RunSummary) -> None:
     """The recipe table (`report.recipe_rows`): an empty cell, not "null", where a value is missing."""
-    chosen = summary["selection"]
-    rows = [{k: "" if v is None else v for k, v in r.items()} for r in summary["recipes"]]
+    chosen = summary.selection
+    rows = [{k: "" if v is None else v for k, v in r.items()} for r in summary.recipes]
     create_table_artifact(key=artifact_key("recipe-table", params), table=rows,
-                          description=f"Selected: {chosen['selected'] or 'none'}. {chosen['reason']}")
+                          description=f"Selected: {chosen.selected or 'none'}. {chosen.reason}")
 
 
-def publish_report(params, summary: dict) -> None:
+def publish_report(params, summary: RunSummary) -> None:
     create_markdown_artifact(key=artifact_key("qad-pipeline-report", params), markdown=report_markdown(summary))
 
 
@@ -75,3 +78,38 @@ def publish_sweep_table(params, sweep: dict) -> None:
     knee = sweep["knee"]
     create_table_artifact(key=artifact_key("bpe-sweep", params), table=rows,
                           description=f"Knee: {knee['reason']}")  # the reason starts with the knee's name
+
+
+def start_tracking(layout: Layout, params) -> str | None:
+    """Open the MLflow parent run at the start, so the run shows while it runs."""
+    try:
+        run_id = tracking.start_pipeline_run(layout, params, flow_run_id=flow_run_id(),
+                                             git_commit=tracking.git_commit())
+        tracking.record_run(layout, tracking.tracking_uri(layout.root), run_id, logged=False)
+        return run_id
+    except Exception as err:  # noqa: BLE001  (tracking must never cost the pipeline its results)
+        get_run_logger().warning("MLflow: could not start the run (%s); results stay on disk", err)
+        return None
+
+
+
+def track(layout: Layout, params, report: str, parent_run: str | None, export_metrics: dict | None,
+          status: str | None = None) -> dict:
+    """Log the run's files to MLflow and register the export; on failure, say how to log later
+    (the run stays recorded as not logged whole: `log-mlflow` completes it, logging nothing twice)."""
+    try:
+        uri = tracking.tracking_uri(layout.root)
+        tracking.check_reachable(uri)  # a store that went away: seconds, not the client's minutes of retries
+        run_id = tracking.log_pipeline(layout, params, flow_run_id=flow_run_id(), git_commit=tracking.git_commit(),
+                                       report=report, run_id=parent_run, status=status)
+        version = None
+        if (export_metrics or {}).get("passed"):
+            version = tracking.register_export(layout, params, run_id)
+        tracking.record_run(layout, uri, run_id, logged=True, model_version=version)
+        return {"uri": uri, "run_id": run_id, "model_version": version,
+                "registered_model": tracking.registered_model_name(params.base_model.path) if version else None}
+    except Exception as err:  # noqa: BLE001
+        get_run_logger().warning(
+            "MLflow logging failed (%s). Every result is on disk under %s; log it later with "
+            "`qad-pipeline log-mlflow --out-root %s`", err, layout.root, layout.root)
+        return {"error": str(err)}

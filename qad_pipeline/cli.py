@@ -228,8 +228,7 @@ def log_mlflow(
     (`--again` logs a new one).
     """
     from qad_pipeline import tracking
-    from qad_pipeline.artifacts import read_json
-    from qad_pipeline.report import recipe_rows, report_text
+    from qad_pipeline.report import read_summary, report_text
 
     layout = Layout(output_root(out_root, params_file))
     uri = tracking.tracking_uri(layout.root)
@@ -246,13 +245,10 @@ def log_mlflow(
                    + (f" (model version {record.model_version})" if record.model_version else "")
                    + "; nothing logged (--again logs a new run)")
         return
-    summary = {"selection": read_json(layout.selection_metrics), "recipes": recipe_rows(layout, params.ptq.recipes)}
-    for key, path in (("qad", layout.qad_metrics), ("export", layout.export_metrics)):
-        if path.is_file():
-            summary[key] = read_json(path)
+    summary = read_summary(layout, params)  # the same report as the flow's
     run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=tracking.git_commit(),
                                    report=report_text(summary), run_id=record and record.run_id)
-    version = tracking.register_export(layout, params, run_id) if summary.get("export", {}).get("passed") else None
+    version = tracking.register_export(layout, params, run_id) if summary.export and summary.export.passed else None
     tracking.record_run(layout, uri, run_id, logged=True, model_version=version)
     typer.echo(f"{'completed' if record else 'logged'} run {run_id} in {tracking.redact_text(uri)}"
                + (f"; registered model version {version}" if version else ""))

@@ -15,18 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (
-    BaselineMetrics,
-    ExportMetrics,
-    QADMetrics,
-    RecipeFailed,
-    RecipeMetrics,
-    RecipeResult,
-    RecipeRow,
-    RunSummary,
-    SelectionResult,
-    read_result,
-)
+from qad_pipeline.results import (BaselineMetrics, BPESweep, ExportMetrics, QADMetrics, RecipeFailed, RecipeMetrics,
+                                  RecipeResult, RecipeRow, RunSummary, SelectionResult, read_result)
 
 SELECTED_MARK = "★ selected"
 MAX_ERROR_CHARS = 300
@@ -121,12 +111,23 @@ def weight_error_rows(layout: Layout, recipes: list[str]) -> list[dict]:
     return rows
 
 
-def read_summary(layout: Layout, recipes: list[str]) -> RunSummary:
-    """The report's input from the files alone: selection, recipe rows, weight error, QAD, export."""
-    return RunSummary(selection=read_result(layout.selection_metrics, SelectionResult),
-                      recipes=recipe_rows(layout, recipes), weight_error=weight_error_rows(layout, recipes),
+def read_summary(layout: Layout, params, **run: Any) -> RunSummary:
+    """The run summary, the input of every report (console, Prefect, MLflow's report.md and run
+    description, `qad-pipeline log-mlflow`): the selection, the recipe rows (the sweep's points
+    among the candidates too), weight error, the BPE sweep when this run swept
+    (`stages.with_sweep`), QAD and the export, read from the files; `run` adds what only the flow
+    knows (`failed`, `cached`, `baseline_cached`, `seconds`)."""
+    from qad_pipeline.stages import with_sweep
+
+    selection = read_result(layout.selection_metrics, SelectionResult)
+    names = [*params.ptq.recipes, *(r.name for r in selection.table if r.name not in params.ptq.recipes)]
+    return RunSummary(selection=selection, recipes=recipe_rows(layout, names),
+                      weight_error=weight_error_rows(layout, names),
+                      sweep=read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True) if with_sweep(params)
+                      else None,
                       qad=read_result(layout.qad_metrics, QADMetrics, missing_ok=True),
-                      export=read_result(layout.export_metrics, ExportMetrics, missing_ok=True))
+                      export=read_result(layout.export_metrics, ExportMetrics, missing_ok=True),
+                      root=str(layout.root), **run)
 
 
 # -- tables --------------------------------------------------------------------------------------

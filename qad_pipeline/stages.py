@@ -1,12 +1,14 @@
 """The pipeline's stages, each declared once: `qad-pipeline dvc-yaml` writes dvc.yaml from here.
 
-    calibration ── baseline ── ptq × recipes ── selection ── qad ── final_eval ── export
+    calibration ── baseline ── ptq × recipes ───────────────────────── selection ── qad ── final_eval ── export
+               └── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep, when asked for)
 
 A `Stage` names its entry point (`module:function`, called as `entry(params, layout, recipe)`),
-the stages it waits for, the params.yaml keys it reads, its input data and the files it writes.
-Everything else reads this table: the CLI's `qad-pipeline stage` dispatch, `Layout.outputs`,
-the Prefect flow's tasks and their cache keys, `dvc.yaml` (generated, and a test proves it is
-current), the DVC stage names a Prefect run records and the GPU flows. A stage's code
+the stages it waits for (`after`: the flows' edges), the params.yaml keys it reads, its input
+data and the files it writes. Everything else reads this table: the CLI's `qad-pipeline stage`
+dispatch, the Prefect flows' task runs, their edges and cache keys (`flows/runtime.py`),
+`dvc.yaml` (generated, and a test proves it is current), the DVC stage names a Prefect run
+records and the GPU flows. A stage's code
 dependencies are not listed by hand: they are the project modules its entry module imports,
 directly or not, as `code_modules` finds them in the source.
 
@@ -63,6 +65,7 @@ class Stage:
     after_selection: bool = False  # runs on the selected candidate, when one was selected
     qad_only: bool = False  # runs only with selection.policy qad
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
+    may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
 
@@ -140,7 +143,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
           outputs=(Output("artifacts/ptq/{recipe}"),),
-          foreach="ptq.recipes", gpu=True, cached=True,
+          foreach="ptq.recipes", gpu=True, cached=True, may_fail=True,
           fingerprints=("${ptq.recipe_dir}/{recipe}.yaml", "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json"),
           done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint")),
@@ -156,7 +159,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(MODEL, SWEEP_RECIPE, EVAL_DATA, "artifacts/calibration", "artifacts/baseline",
                   "artifacts/sweep_search"),
           outputs=(Output("artifacts/sweep/{recipe}"),),
-          foreach="sweep.budgets", gpu=True, cached=True, sweep=True,
+          foreach="sweep.budgets", gpu=True, cached=True, sweep=True, may_fail=True,
           fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json", "artifacts/sweep_search/search.json"),
           done=("artifacts/sweep/{recipe}/scores.json", "artifacts/sweep/{recipe}/checkpoint")),
@@ -168,7 +171,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
                        "title": "BPE sweep: median recovery against whole-model bits per element"}),
                    Output("artifacts/bpe_sweep", note="the Pareto plot")),
-          sweep=True),
+          sweep=True, may_fail=True),
     Stage("selection", "tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
           params=("ptq.recipes", "selection", "sweep"),
           inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
@@ -191,7 +194,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
           gpu=True, after_selection=True, qad_only=True),
-    Stage("export", "tasks.export:main", after=("final_eval",),
+    Stage("export", "tasks.export:main", after=("selection", "final_eval"),
           params=("base_model", "selection.policy", "export"),
           inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "artifacts/ptq", "artifacts/sweep",
                   "metrics/selection.json"),
@@ -199,8 +202,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           gpu=True, after_selection=True),
 )}
 
-# what `gpu-stage` runs (the recipes have their own flow, `ptq-recipe`)
-GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu and s.name != "ptq")
+# what `gpu-stage` runs: the recipes too, for a run with a `stage_deployment` and no `recipe_deployment`
+GPU_STAGES = tuple(s.name for s in STAGES.values() if s.gpu)
 
 
 def with_sweep(params: Params) -> bool:

@@ -33,6 +33,7 @@ from qad_pipeline.recovery import score_recovery
 from qad_pipeline.results import (BaselineMetrics, BPESweep, PTQResult, RecipeAlias, RecipeFailed, RecipeMetrics,
                                   RecipeResult, RecipeRow, RecoveryPoint, RecoveryTable, SelectionResult, dump_result,
                                   read_result, write_result)
+from qad_pipeline.stages import with_sweep
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 
@@ -177,8 +178,9 @@ def row(metrics: RecipeResult, earlier: dict[str, RecipeRow]) -> RecipeRow:
 
 def sweep_candidates(params: Params, layout: Layout) -> list[str]:
     """The BPE sweep's points that compete with the recipes (`selection.sweep`): none, its knee,
-    or all of them, named `<recipe>@<budget>` (their folders: `Layout.candidate`)."""
-    if params.selection.sweep == "none":
+    or all of them, named `<recipe>@<budget>` (their folders: `Layout.candidate`); none when this
+    run does not sweep (`stages.with_sweep`), whatever an earlier sweep left on disk."""
+    if not with_sweep(params):
         return []
     sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
     if sweep is None:

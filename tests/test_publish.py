@@ -8,11 +8,10 @@ import json
 import re
 
 from flows import publish
-
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import dump_result
+from qad_pipeline.results import RunSummary, dump_result
 from tests import samples
 
 ROWS = [{"choice": "", "name": "bf16", "status": "ok", "median rec. %": 100.0, "CI %": ""},
@@ -29,12 +28,12 @@ def test_artifact_keys_are_per_base_model_and_valid_prefect_keys():
 
 
 def test_pipeline_tasks_have_fixed_run_names(tmp_path):
-    from flows import pipeline
+    from flows import runtime
     from qad_pipeline.stages import STAGES
 
-    job = pipeline.Job(str(PROJECT_PARAMS), [], Layout(tmp_path))
+    job = runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path))
     for stage in STAGES:
-        task = pipeline.stage_task(job, stage, "r1" if STAGES[stage].per_recipe else None)
+        task = runtime.stage_task(job, stage, "r1" if STAGES[stage].per_recipe else None)
         assert task.name == stage
         # no random suffix: the stage's one name (`ptq-<recipe>`, `sweep-<budget>` for a per-item stage)
         assert task.task_run_name == (f"{stage}-r1" if STAGES[stage].per_recipe else stage)
@@ -52,7 +51,7 @@ def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_pat
     exp = tracking.ensure_experiment(client, tracking.experiment_name(params.base_model.path))
     run_id = client.create_run(exp).info.run_id
     chosen = samples.selection("r1", [], reason="r1 is the most compressed.")
-    summary = {"selection": dump_result(chosen), "recipes": ROWS}
+    summary = RunSummary.model_validate({"selection": dump_result(chosen), "recipes": ROWS})
 
     @flow
     def publishing() -> str:

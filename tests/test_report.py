@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
+from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import SELECTED_MARK, read_summary, recipe_rows, report_markdown, run_description
 from qad_pipeline.results import RecipeFailed, RecipeRow, write_result
@@ -29,6 +30,7 @@ BROKEN = "broken-recipe"
 ERROR = "ValueError: bad | pipe\nsecond line"
 RECIPES = [*MEASURED, ALIAS, BROKEN]
 SELECTED = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
+PARAMS = load_params(PROJECT_PARAMS, {"ptq.recipes": RECIPES})
 
 
 def tables(markdown: str) -> list[list[list[str]]]:
@@ -87,7 +89,7 @@ def test_recipe_rows_show_recoveries_in_percent_the_interval_and_mark_the_select
 
 
 def test_report_markdown_tables_render_with_a_failure_beside_them(layout):
-    summary = read_summary(layout, RECIPES)
+    summary = read_summary(layout, PARAMS)
     markdown = report_markdown(summary)
     recipes, weight = tables(markdown)
     header = recipes[0]
@@ -100,11 +102,11 @@ def test_report_markdown_tables_render_with_a_failure_beside_them(layout):
 
 
 def test_run_description_leads_with_the_decision(layout):
-    text = run_description(read_summary(layout, RECIPES), reason_file="selection_reason.txt")
+    text = run_description(read_summary(layout, PARAMS), reason_file="selection_reason.txt")
     headline, recipes = tables(text)
     assert headline[1][:3] == ["selected PTQ", SELECTED, "99"]
     assert "selection_reason.txt" in text and len(recipes) == 1 + 1 + len(RECIPES)
-    short = run_description(read_summary(layout, RECIPES), max_chars=1000)
+    short = run_description(read_summary(layout, PARAMS), max_chars=1000)
     assert len(short) <= 1001 and len(tables(short)) == 1 and "report.md" in short
 
 
@@ -130,3 +132,24 @@ def test_recovery_plot_draws_band_intervals_legend_and_separate_labels(layout):
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     out = recovery_vs_bpe(layout, RECIPES, layout.metrics / "plots" / "recovery_vs_bpe.png")
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("selection_sweep, budgets, shown", [
+    ("knee", [5.0, 6.0], True),
+    ("knee", [], False),  # no budgets: this run did not sweep, whatever an earlier sweep left on disk
+    ("none", [5.0, 6.0], False),
+])
+def test_the_sweep_is_reported_exactly_when_the_run_swept(layout, selection_sweep, budgets, shown):
+    from qad_pipeline.results import BPESweep, Knee, SweepPoint
+
+    point = SweepPoint(name="r@5.0", kind="sweep", budget=5.0, searched_effective_bits=5.0, effective_bpe=5.2,
+                       median_recovery=0.97, median_recovery_ci=(0.95, 0.99), kl_divergence=0.02,
+                       layers_by_format={"nvfp4": 3})
+    write_result(layout.bpe_sweep_metrics, BPESweep(
+        recipe="r", points=[point], fixed=[], knee=Knee(name="r@5.0", budget=5.0, reason="the knee"),
+        knee_epsilon=0.005, noise=0.02, monotone_within_noise=True, failed=[], search_s=1.0, seconds={}))
+    params = load_params(PROJECT_PARAMS, {"ptq.recipes": RECIPES, "selection.sweep": selection_sweep,
+                                          "sweep.budgets": budgets})
+    summary = read_summary(layout, params)
+    assert (summary.sweep is not None) == shown
+    assert ("BPE sweep of r" in report_markdown(summary)) == shown

@@ -273,7 +273,7 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
         metrics = headline_metrics(children, tags.get("qad.selected"))
         tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
         if "selection" in by_stage and layout.baseline_metrics.is_file():
-            summary = read_summary(layout, params.ptq.recipes)
+            summary = read_summary(layout, params)
             tags[NOTE] += "\n" + run_description(summary, reason_file=REASON_FILE, max_chars=MAX_TAG_VAL_LENGTH - 500)
             client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
         if report:
