@@ -303,20 +303,25 @@ def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = 
 
 @app.command("dvc-yaml")
 def dvc_yaml_command(
+    params_file: ParamsOpt = DEFAULT_PARAMS,
     check: Annotated[bool, typer.Option("--check", help="only say whether dvc.yaml is current; exit 1 if not")] = False,
 ) -> None:
-    """Write the project's dvc.yaml from the stage registry (qad_pipeline/stages.py)."""
-    from qad_pipeline.config import PROJECT_ROOT
-    from qad_pipeline.versioning import dvc_yaml
+    """Write dvc.yaml beside the params file, from the stage registry (qad_pipeline/stages.py) and
+    the params (the BPE sweep's stages only when they ask for it)."""
+    from qad_pipeline.versioning import dvc_stages, dvc_yaml
 
-    path, text = PROJECT_ROOT / "dvc.yaml", dvc_yaml()
+    try:
+        params = load_params(Path(params_file))
+    except ConfigError as err:
+        _fail(err)
+    path, text = Path(params_file).resolve().parent / "dvc.yaml", dvc_yaml(params)
     current = path.is_file() and path.read_text() == text
     if check:
         typer.echo(f"{path} is {'current' if current else 'out of date: run `qad-pipeline dvc-yaml`'}")
         raise typer.Exit(0 if current else 1)
     if not current:
         path.write_text(text)
-    typer.echo(f"{path}: {'unchanged' if current else 'written'} ({len(STAGES)} stages)")
+    typer.echo(f"{path}: {'unchanged' if current else 'written'} ({len(dvc_stages(params))} stages)")
 
 
 def main() -> None:  # pragma: no cover

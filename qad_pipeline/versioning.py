@@ -22,8 +22,8 @@ from pathlib import Path
 
 import yaml
 
-from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.stages import STAGES, fill
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, Params, load_params
+from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
 
 
 def dvc_project(root: Path) -> bool:
@@ -52,12 +52,17 @@ def record_run(root: Path, params_file: Path, overrides: list[str], stages: list
     reason = why_not_recorded(root, params_file, overrides)
     if reason:
         return False, f"not recorded in DVC: {reason}"
+    declared = yaml.safe_load((root / "dvc.yaml").read_text()).get("stages", {})
+    left_out = [name for name in stages if name.split("@")[0] not in declared]
+    stages = [name for name in stages if name not in left_out]
     cmd = [sys.executable, "-m", "dvc", "commit", "--force", "--quiet", *stages]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         return False, (f"`dvc commit` failed (exit {done.returncode}); the results are on disk, record them "
                        f"with `dvc commit --force` in {root}: {(done.stderr or done.stdout).strip()[-800:]}")
-    return True, f"recorded in DVC ({len(stages)} stages in dvc.lock and the cache); `dvc push` sends them"
+    return True, (f"recorded in DVC ({len(stages)} stages in dvc.lock and the cache); `dvc push` sends them"
+                  + (f"; not in dvc.yaml, so not recorded: {', '.join(left_out)} (the BPE sweep's stages are in "
+                     "dvc.yaml when params.yaml sets selection.sweep: run `qad-pipeline dvc-yaml`)" if left_out else ""))
 
 
 DVC_YAML_HEADER = """\
@@ -65,7 +70,9 @@ DVC_YAML_HEADER = """\
 # again (a test fails while this file differs from what the registry generates).
 #
 # The same DAG as the Prefect flow (flows/pipeline.py), stage for stage and name for name: each
-# stage runs the command that the flow's task runs, `qad-pipeline stage <name>`.
+# stage runs the command that the flow's task runs, `qad-pipeline stage <name>`. The BPE sweep's
+# stages are here only when params.yaml asks for them (selection.sweep not none, with budgets), as
+# in a `qad-pipeline run`: after changing that, run `qad-pipeline dvc-yaml` again.
 #
 #   dvc repro                                   # everything that changed, nothing else
 #   dvc exp run --set-param qad.steps=80        # an experiment with one parameter changed
@@ -83,10 +90,25 @@ def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=200).strip().removesuffix("\n...")
 
 
-def dvc_yaml() -> str:
-    """dvc.yaml's text, generated from the stage registry."""
+def dvc_stages(params: Params) -> list[Stage]:
+    """The stages dvc.yaml holds for these params: every stage, the BPE sweep's only when the params
+    ask for it (`stages.with_sweep`), as in a `qad-pipeline run` with them."""
+    return [stage for stage in STAGES.values() if with_sweep(params) or not stage.sweep]
+
+
+def _written_by(stages: list[Stage]) -> set[str]:
+    """The out-root folders and files these stages write (a per-item output: its parent folder)."""
+    return {o.path.split("/{recipe}")[0] for stage in stages for o in stage.outputs}
+
+
+def dvc_yaml(params: Params | None = None) -> str:
+    """dvc.yaml's text, generated from the stage registry for `params` (default: the project's
+    params.yaml): a stage left out (the sweep's, when the params do not sweep) is no one's input."""
+    params = params or load_params(PROJECT_PARAMS)
+    stages = dvc_stages(params)
+    absent = _written_by([s for s in STAGES.values() if s not in stages])
     lines = [DVC_YAML_HEADER.rstrip("\n"), "stages:"]
-    for stage in STAGES.values():
+    for stage in stages:
         lines.append(f"  {stage.name}:")
         pad = "    "
         recipe = "${item}" if stage.per_recipe else None
@@ -95,7 +117,7 @@ def dvc_yaml() -> str:
             pad += "  "
         lines.append(f"{pad}cmd: qad-pipeline stage {stage.name}" + (f" {recipe}" if recipe else ""))
         code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]
-        lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *(fill(i, recipe) for i in stage.inputs)])]
+        lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *(fill(i, recipe) for i in stage.inputs if i not in absent)])]
         lines += [f"{pad}params:", *(f"{pad}  - {key}" for key in stage.params)]
         for kind in ("outs", "metrics", "plots"):
             outputs = [o for o in stage.outputs if o.kind == kind]

@@ -288,6 +288,7 @@ def make_dvc_project(repo: Path, overrides: list[str], remote: Path) -> Path:
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
     shutil.copytree(PROJECT_ROOT / "demo" / "model", repo / "models" / "base")
     set_params(repo, [*overrides, "base_model.path=models/base"])
+    sh(repo, "qad-pipeline", "dvc-yaml", "--params", "params.yaml")  # for these params (the sweep's stages or not)
     sh(repo, "git", "init", "-q")
     sh(repo, "dvc", "remote", "add", "-f", "-d", "local", str(remote))
     sh(repo, "dvc", "add", "-q", "models/base")

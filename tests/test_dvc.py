@@ -1,6 +1,7 @@
 """`dvc repro` runs the same DAG, for real, in a temporary git repository with the project's files.
 
-One full run is shared by the tests of this module, which then change one thing at a time.
+One `qad-pipeline run` (the Prefect flow) is shared by the tests of this module: `dvc repro` right
+after it has nothing to do; then they change one thing at a time and `dvc repro` runs what it must.
 """
 
 import json
@@ -19,10 +20,11 @@ from tests.conftest import GOOD_RECIPES, TINY
 
 pytestmark = pytest.mark.slow
 
-# the BPE sweep's branch with one budget: its search, the point, the curve (selection reads it)
+# the BPE sweep's branch with one budget: its search, the point, the curve; in dvc.yaml only when
+# params.yaml asks for the sweep (selection.sweep), which the project's does not at first
 SWEEP_STAGES = {"sweep_search", "sweep@5.0", "bpe_sweep"}
-ALL_STAGES = {"calibration", "baseline", *(f"ptq@{r}" for r in GOOD_RECIPES), *SWEEP_STAGES, "selection", "qad",
-              "final_eval", "export"}
+ALL_STAGES = {"calibration", "baseline", *(f"ptq@{r}" for r in GOOD_RECIPES), "selection", "qad", "final_eval",
+              "export"}
 
 
 def repro(repo: Path, *args: str) -> tuple[set[str], str]:
@@ -39,31 +41,32 @@ def commit(repo: Path, message: str) -> None:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, demo_model_path):
     """A git + DVC project with the tiny settings, the base model tracked with `dvc add`, after one
-    full `dvc repro`. Returns (repo, stages that ran, seconds, remote)."""
+    `qad-pipeline run` there (the Prefect flow). Returns (repo, the run's summary, remote)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.pipeline import qad_pipeline
+
     remote = tmp_path_factory.mktemp("dvc-remote")
     # the serving check has its own tests (test_serving.py, and the flow's export): here it only costs time
     repo = make_dvc_project(tmp_path_factory.mktemp("dvc-project"),
                             [*TINY, f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]", "export.serving_check=skip",
                              "sweep.budgets=[5.0]"], remote)
-    started = time.time()
-    ran, _ = repro(repo)
-    seconds = time.time() - started
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = qad_pipeline(params_file=str(repo / "params.yaml"))
     commit(repo, "first run")
-    return repo, ran, seconds, remote
+    return repo, summary, remote
 
 
-def test_full_run_then_nothing_to_do(project):
-    repo, ran, _, _ = project
-    assert ran == ALL_STAGES
+def test_a_run_then_repro_has_nothing_to_do(project):
+    repo, summary, _ = project
+    assert summary["dvc"].startswith("recorded in DVC"), summary["dvc"]
     assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+    assert not (repo / ".dvc/tmp/rwlock").exists() or "artifacts" not in (repo / ".dvc/tmp/rwlock").read_text()
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert set(lock) == ALL_STAGES
     # each stage records exactly its params: QAD's keys are in qad's entry and in no PTQ entry
     assert "qad" in lock["qad"]["params"]["params.yaml"]
     assert all("qad" not in lock[f"ptq@{r}"]["params"]["params.yaml"] for r in GOOD_RECIPES)
-    sweep = json.loads((repo / "metrics/bpe_sweep.json").read_text())  # the sweep's curve, by `dvc repro`
-    assert [p["budget"] for p in sweep["points"]] == [5.0] and sweep["knee"]["name"].endswith("@5.0")
-    assert len(sweep["fixed"]) == len(GOOD_RECIPES) and (repo / "artifacts/bpe_sweep/pareto.png").is_file()
 
     again, out = repro(repo)
     assert again == set(), out
@@ -93,8 +96,8 @@ def test_one_recipe_file_reruns_that_recipe_only(project):
     recipe = repo / "recipes" / f"{changed}.yaml"
     recipe.write_text(recipe.read_text() + "\n# changed: one recipe file\n")
     ran, _ = repro(repo)
-    assert f"ptq@{changed}" in ran and "selection" in ran and "bpe_sweep" in ran  # a fixed recipe is on the curve
-    assert not ran & {f"ptq@{untouched}", "calibration", "baseline", "sweep_search", "sweep@5.0"}
+    assert f"ptq@{changed}" in ran and "selection" in ran
+    assert not ran & {f"ptq@{untouched}", "calibration", "baseline", *SWEEP_STAGES}
     commit(repo, "one recipe changed")
 
 
@@ -104,8 +107,8 @@ def test_new_base_checkpoint_version_is_a_dvc_change(project):
     sh(repo, "dvc", "add", "-q", "models/base")
     assert "models/base.dvc" in sh(repo, "git", "status", "--porcelain").stdout
     dry, _ = repro(repo, "--dry")
-    # every stage that reads the base model is out of date (selection and bpe_sweep only read results)
-    assert dry == ALL_STAGES - {"selection", "bpe_sweep"}
+    # every stage that reads the base model is out of date (selection only reads results)
+    assert dry == ALL_STAGES - {"selection"}
     sh(repo, "git", "checkout", "-q", "models/base.dvc")
     sh(repo, "dvc", "checkout", "-q", "--force", "models/base.dvc")
     assert not (repo / "models/base/README.md").exists()
@@ -138,7 +141,7 @@ def test_repro_refused_while_a_run_writes_the_outputs(project):
 
 
 def test_push_pull_and_a_missing_remote(project):
-    repo, _, _, remote = project
+    repo, _, remote = project
     sh(repo, "dvc", "push", "-q")
     assert any(p.is_file() for p in Path(remote).rglob("*"))
     shutil.rmtree(repo / "artifacts" / "export")
@@ -164,23 +167,22 @@ def test_stale_lock_of_a_killed_run_is_reported_and_recovered(project):
     assert json.loads((repo / ".qad-pipeline.lock").read_text())["finished"] is True
 
 
-def test_prefect_run_is_recorded_in_dvc(project):
-    """A `qad-pipeline run` (the Prefect flow) in the DVC project leaves `dvc status` clean."""
-    from prefect.testing.utilities import prefect_test_harness
-
+def test_a_run_that_overrides_params_is_not_recorded(project):
     from qad_pipeline import versioning
-    from flows.pipeline import qad_pipeline
 
     repo = project[0]
-    set_params(repo, ["qad.lr=5.0e-5"])
-    assert "Data and pipelines are up to date" not in sh(repo, "dvc", "status").stdout
-    with prefect_test_harness(server_startup_timeout=120):
-        summary = qad_pipeline(params_file=str(repo / "params.yaml"))
-    assert summary["dvc"].startswith("recorded in DVC"), summary["dvc"]
-    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
-    assert not (repo / ".dvc/tmp/rwlock").exists() or "artifacts" not in (repo / ".dvc/tmp/rwlock").read_text()
-
-    # a run whose overrides change a value of params.yaml is not recorded: dvc.lock stays true
-    assert versioning.why_not_recorded(repo, repo / "params.yaml", ["qad.lr=5.0e-5"]) is None
+    assert versioning.why_not_recorded(repo, repo / "params.yaml", [f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]"]) is None
     reason = versioning.why_not_recorded(repo, repo / "params.yaml", ["qad.steps=9"])
     assert reason.startswith("the run overrode params.yaml (qad.steps=9)")
+
+
+def test_the_sweep_runs_under_dvc_when_the_params_ask_for_it(project):
+    repo = project[0]
+    set_params(repo, ["selection.sweep=knee"])
+    sh(repo, "qad-pipeline", "dvc-yaml", "--params", "params.yaml")
+    assert {"sweep_search", "sweep", "bpe_sweep"} <= set(yaml.safe_load((repo / "dvc.yaml").read_text())["stages"])
+    ran, _ = repro(repo, "bpe_sweep")
+    assert ran == SWEEP_STAGES  # the curve and what it needs; calibration, baseline and the recipes are current
+    sweep = json.loads((repo / "metrics/bpe_sweep.json").read_text())
+    assert [p["budget"] for p in sweep["points"]] == [5.0] and sweep["knee"]["name"].endswith("@5.0")
+    assert len(sweep["fixed"]) == len(GOOD_RECIPES) and (repo / "artifacts/bpe_sweep/pareto.png").is_file()

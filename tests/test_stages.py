@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from qad_pipeline.cli import Stage
-from qad_pipeline.config import PROJECT_ROOT, load_params
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
 from qad_pipeline.stages import PACKAGES, STAGES, code_modules, module_file, planned
 from qad_pipeline.versioning import dvc_yaml, stage_names
 
@@ -20,7 +20,12 @@ def test_dvc_yaml_is_generated_from_the_registry():
 
 def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     stages = yaml.safe_load(dvc_yaml())["stages"]
-    assert list(stages) == list(STAGES) == [s.value for s in Stage]
+    assert list(STAGES) == [s.value for s in Stage]
+    # the project's params.yaml does not sweep: no sweep stage, and nothing waits for one's files
+    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep]
+    assert not any("sweep" in dep for stage in stages.values() for dep in stage.get("do", stage)["deps"] if "$" not in dep)
+    swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee"})))["stages"]
+    assert list(swept) == list(STAGES) and "metrics/bpe_sweep.json" in swept["selection"]["deps"]
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
