@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/devstack.p
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import PTQResult, PTQScores, read_result
+from qad_pipeline.results.base import read_result
+from qad_pipeline.results.scores import PTQResult, PTQScores
 
 
 def run_flow(root: Path, overrides: list[str]) -> dict:
@@ -178,7 +179,8 @@ def llama_dag(root: Path, extra: list[str]) -> None:
 
 def real_model_exports(root: Path) -> None:
     """The whole DAG on SmolLM2-135M with the defaults, then each PTQ recipe's export; one table."""
-    from qad_pipeline.results import ExportMetrics, PTQAlias
+    from qad_pipeline.results.export import ExportMetrics
+    from qad_pipeline.results.scores import PTQAlias
     from tasks.export import run_export
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

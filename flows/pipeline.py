@@ -39,12 +39,14 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.publish import link_tracking, publish_recipe_table, publish_report, start_tracking, track
-from flows.runtime import (Job, holding_outputs, parameter_overrides, start_job, stop_everything, submit_stages)
+from flows.runtime import Job, holding_outputs, parameter_overrides, start_job, stop_everything, submit_stages
 from flows.stages import StageFailed
 from qad_pipeline import versioning
-from qad_pipeline.plots import write_plots
+from qad_pipeline.run_plots import write_plots
 from qad_pipeline.report import read_summary, report_text
-from qad_pipeline.results import RunSummary, SelectionResult, dump_result, read_result
+from qad_pipeline.results.base import dump_result, read_result
+from qad_pipeline.results.run import RunSummary
+from qad_pipeline.results.selection import SelectionResult
 from qad_pipeline.stages import STAGES, planned
 
 __all__ = ["StageFailed", "qad_pipeline"]

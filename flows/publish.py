@@ -18,7 +18,7 @@ from flows.runtime import flow_run_id
 from qad_pipeline import tracking
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import report_markdown
-from qad_pipeline.results import RunSummary
+from qad_pipeline.results.run import RunSummary
 
 
 def artifact_key(name: str, params) -> str:

@@ -26,7 +26,8 @@ from flows.runtime import holding_outputs, parameter_overrides, start_job, stop_
 from flows.stages import StageFailed
 from qad_pipeline import tracking, versioning
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import BPESweep, dump_result, read_result
+from qad_pipeline.results.base import dump_result, read_result
+from qad_pipeline.results.sweep import BPESweep
 from qad_pipeline.stages import planned
 
 

@@ -1,18 +1,12 @@
-"""The run's two plots, drawn from its metrics files: recovery against bits per element, QAD loss.
-
-Written to `metrics/plots/*.png` at the end of the flow; MLflow logs them with the run.
-"""
+"""Drawing a figure the project's way (matplotlib without a display, labels that do not overlap),
+and the BPE sweep's Pareto plot (`tasks/bpe_sweep.py`); the run's own plots: `run_plots.py`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from qad_pipeline.layout import Layout
-from qad_pipeline.results import (ExportMetrics, QADMetrics, QADTraining, RecipeMetrics, RecipeResult,
-                                  SelectionResult, read_result)
 
-
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,12 +15,14 @@ def _pyplot():
     return plt
 
 
-def _figure(size=(6, 4)):
-    plt = _pyplot()
+
+def new_figure(size=(6, 4)):
+    plt = pyplot()
     return plt, *plt.subplots(figsize=size, dpi=100)
 
 
-def _save(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
+
+def save_figure(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -37,25 +33,8 @@ def _save(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path
     return out
 
 
-def _recipe_points(layout: Layout, recipes: list[str]) -> list[dict]:
-    """One point per recipe that ran (aliases folded into the recipe they are the same as)."""
-    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
-    table = {r.name: r for r in selection.table} if selection is not None else {}
-    points: dict[str, dict] = {}
-    for name in recipes:
-        m = read_result(layout.ptq_metrics(name), RecipeResult, missing_ok=True)
-        if isinstance(m, RecipeMetrics):
-            points[name] = {"names": [name], "bpe": m.effective_bpe, "rec": m.median_recovery,
-                            "ci": m.median_recovery_ci}
-    for name in recipes:
-        row = table.get(name)
-        if row is not None and row.status == "alias" and row.alias_of in points:
-            points[row.alias_of]["names"].append(name)
-            points.pop(name, None)
-    return list(points.values())
 
-
-def _spread_labels(ax, texts) -> None:
+def spread_labels(ax, texts) -> None:
     """Move point labels apart vertically (in pixels) until no two of them overlap."""
     fig = ax.figure
     renderer = fig.canvas.get_renderer()
@@ -71,95 +50,13 @@ def _spread_labels(ax, texts) -> None:
         placed.append(text.get_window_extent(renderer))
 
 
-def recovery_figure(layout: Layout, recipes: list[str]):
-    """The recovery plot as a matplotlib figure (None when no recipe ran); see `recovery_vs_bpe`."""
-    points = _recipe_points(layout, recipes)
-    if not points:
-        return None
-    selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
-    selected = selection.selected if selection is not None else None
-    plt, fig, ax = _figure((7, 4.5))
-    colors = plt.get_cmap("tab10").colors
-    ys = []
-    texts = []
-    for i, p in enumerate(sorted(points, key=lambda p: (p["bpe"], p["rec"]))):
-        is_selected = selected in p["names"]
-        label = " = ".join(p["names"]) + (" (selected)" if is_selected else "")
-        y = 100 * p["rec"]
-        yerr = None
-        if p["ci"]:
-            low, high = 100 * p["ci"][0], 100 * p["ci"][1]
-            yerr = [[max(0.0, y - low)], [max(0.0, high - y)]]
-            ys += [low, high]
-        ys.append(y)
-        ax.errorbar([p["bpe"]], [y], yerr=yerr, fmt="*" if is_selected else "o", ms=16 if is_selected else 7,
-                    color=colors[i % len(colors)], mec="black" if is_selected else None, capsize=3,
-                    label=f"{i + 1}: {label}", zorder=3 if is_selected else 2)
-        texts.append(ax.annotate(str(i + 1), (p["bpe"], y), xytext=(10 if is_selected else 6, 2), textcoords="offset points", fontsize=8))
-    if layout.qad_metrics.is_file() and layout.export_metrics.is_file():
-        q, e = read_result(layout.qad_metrics, QADMetrics), read_result(layout.export_metrics, ExportMetrics)
-        y, (ci_low, ci_high) = 100 * q.median_recovery, q.median_recovery_ci
-        yerr = [[max(0.0, y - 100 * ci_low)], [max(0.0, 100 * ci_high - y)]]
-        ys += [y, 100 * ci_low, 100 * ci_high]
-        ax.errorbar([e.effective_bpe], [y], yerr=yerr, fmt="D", ms=7, color="black", capsize=3,
-                    label="QAD (exported)")
-    low, high = min(ys), max(ys)
-    pad = max(0.5, 0.1 * (high - low))
-    band = selection.band if selection is not None else None
-    if band is not None:
-        b_low, b_high = 100 * band[0], 100 * band[1]
-        low, high = min(low, b_low) if b_low > low - 5 else low, max(high, b_high) if b_high < high + 5 else high
-        ax.axhspan(b_low, b_high, color="tab:green", alpha=0.12, zorder=0,
-                   label=f"target band {b_low:.5g}–{b_high:.5g} %")
-    ax.set_ylim(low - pad, high + pad)
-    xs = [p["bpe"] for p in points]
-    ax.set_xlim(min(xs) - 0.5, max(xs) + 0.8)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
-    _spread_labels(ax, texts)
-    ax.set_xlabel("effective bits per element")
-    ax.set_ylabel("median recovery vs BF16 (%)")
-    ax.set_title("PTQ recipes: accuracy recovery against size")
-    ax.grid(alpha=0.3)
-    return fig
-
-
-def recovery_vs_bpe(layout: Layout, recipes: list[str], out: Path) -> Path | None:
-    """Median recovery (with its interval) against effective bits per element, one point per
-    recipe, the selected one a star; the target band shaded; QAD's exported model a diamond."""
-    fig = recovery_figure(layout, recipes)
-    if fig is None:
-        return None
-    plt = _pyplot()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, bbox_inches="tight")
-    plt.close(fig)
-    return out
-
-
-def qad_loss_curve(layout: Layout, out: Path) -> Path | None:
-    """The QAD KL loss per step."""
-    path = layout.qad / "loss.json"
-    if not path.is_file():
-        return None
-    losses = read_result(path, QADTraining).losses
-    plt, fig, ax = _figure()
-    ax.plot([p.step for p in losses], [p.loss for p in losses])
-    return _save(plt, fig, ax, out, "step", "KL(teacher || student) per token", "QAD distillation loss")
-
-
-def write_plots(layout: Layout, recipes: list[str]) -> list[Path]:
-    folder = layout.metrics / "plots"
-    made = [recovery_vs_bpe(layout, recipes, folder / "recovery_vs_bpe.png"),
-            qad_loss_curve(layout, folder / "qad_loss.png")]
-    return [p for p in made if p is not None]
-
 
 def bpe_sweep_plot(sweep, out: Path) -> Path:
     """The BPE sweep's Pareto plot: median recovery (with its interval) against whole-model bits per
     element, the sweep's points joined in budget order and labelled with their budget, the knee a
     star, the fixed recipes as numbered squares on the same axes, named in the legend
     (`results.BPESweep`)."""
-    plt, fig, ax = _figure((7, 4.5))
+    plt, fig, ax = new_figure((7, 4.5))
     ranked = sorted(sweep.points, key=lambda p: p.effective_bpe)
     if ranked:
         ax.plot([p.effective_bpe for p in ranked], [100 * p.median_recovery for p in ranked], color="tab:blue",
@@ -176,5 +73,5 @@ def bpe_sweep_plot(sweep, out: Path) -> Path:
         ax.annotate(label, (p.effective_bpe, y), xytext=(6, -10 if fixed else 3), textcoords="offset points",
                     fontsize=7, color="dimgray" if fixed else "black")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
-    return _save(plt, fig, ax, out, "effective bits per element (whole model)", "median recovery vs BF16 (%)",
+    return save_figure(plt, fig, ax, out, "effective bits per element (whole model)", "median recovery vs BF16 (%)",
                  f"BPE sweep of {sweep.recipe}: budget (b, searched bits) -> recovery")

@@ -15,8 +15,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (BaselineMetrics, BPESweep, ExportMetrics, QADMetrics, RecipeFailed, RecipeMetrics,
-                                  RecipeResult, RecipeRow, RunSummary, SelectionResult, read_result)
+from qad_pipeline.results.base import read_result
+from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.qad import QADMetrics
+from qad_pipeline.results.run import RunSummary
+from qad_pipeline.results.scores import BaselineMetrics
+from qad_pipeline.results.selection import RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow, SelectionResult
+from qad_pipeline.results.sweep import BPESweep
 
 SELECTED_MARK = "★ selected"
 MAX_ERROR_CHARS = 300

@@ -256,7 +256,8 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
 
     from qad_pipeline.config import DEFAULT_PARAMS, load_params
     from qad_pipeline.layout import Layout
-    from qad_pipeline.results import ExportMetrics, read_result
+    from qad_pipeline.results.base import read_result
+    from qad_pipeline.results.export import ExportMetrics
 
     if model_path is None:  # the ~100M Llama, built from a config
         folder = work / "llama-100m"

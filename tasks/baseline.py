@@ -14,7 +14,8 @@ from qad_pipeline.config import Params
 from qad_pipeline.evaluation import evaluate_model
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import checkpoint_identity, load_model, load_tokenizer
-from qad_pipeline.results import BaselineMetrics, dump_result, write_result
+from qad_pipeline.results.base import dump_result, write_result
+from qad_pipeline.results.scores import BaselineMetrics
 from qad_pipeline.sizes import size_report
 
 

@@ -17,8 +17,10 @@ from collections import Counter
 from qad_pipeline.artifacts import read_json, staged_dir
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (BaselineMetrics, BPECurve, BPESweep, Knee, RecipeMetrics, RecoveryPoint,
-                                  SweepPoint, SweepSearch, read_result, write_result)
+from qad_pipeline.results.base import read_result, write_result
+from qad_pipeline.results.scores import BaselineMetrics, SweepSearch
+from qad_pipeline.results.selection import RecipeMetrics, RecoveryPoint
+from qad_pipeline.results.sweep import BPECurve, BPESweep, Knee, SweepPoint
 from tasks.selection import recipe_metrics
 
 

@@ -14,7 +14,8 @@ from qad_pipeline.artifacts import fingerprint, staged_dir
 from qad_pipeline.calibration_data import prepare_calibration, write_jsonl
 from qad_pipeline.config import CalibrationParams, EvalParams, Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import CalibrationManifest, CalibrationSet, HeldOutSet, dump_result, write_result
+from qad_pipeline.results.base import dump_result, write_result
+from qad_pipeline.results.data import CalibrationManifest, CalibrationSet, HeldOutSet
 
 
 def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:

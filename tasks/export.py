@@ -32,7 +32,8 @@ from qad_pipeline.config import ConfigError, Params, StageError
 from qad_pipeline.export_checks import (check_formats, check_reload, check_size, lint, read_tensors, reload_reference,
                                         student_input_scales)
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import ExportMetrics, ServingCheck, ServingNotes, dump_result, write_result
+from qad_pipeline.results.base import dump_result, write_result
+from qad_pipeline.results.export import ExportMetrics, ServingCheck, ServingNotes
 
 MANIFEST = "export_manifest.json"
 
@@ -159,7 +160,8 @@ def disk_full_is_reported(layout: Layout):
 def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
     """(what is exported, its checkpoint folder): `export.source`, where auto is the QAD student
     with selection.policy qad and the selected PTQ candidate with ptq_final."""
-    from qad_pipeline.results import SelectionResult, read_result
+    from qad_pipeline.results.base import read_result
+    from qad_pipeline.results.selection import SelectionResult
 
     source = params.export.source
     if source == "none":

@@ -13,8 +13,10 @@ from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
 from qad_pipeline.recovery import score_recovery
-from qad_pipeline.results import (BaselineMetrics, QADMetrics, QADTraining, RecipeMetrics, SelectionResult, dump_result,
-                                  read_result, write_result)
+from qad_pipeline.results.base import dump_result, read_result, write_result
+from qad_pipeline.results.qad import QADMetrics, QADTraining
+from qad_pipeline.results.scores import BaselineMetrics
+from qad_pipeline.results.selection import RecipeMetrics, SelectionResult
 
 
 def comparison_table(baseline: BaselineMetrics, ptq: RecipeMetrics, qad: QADMetrics,

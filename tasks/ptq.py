@@ -35,7 +35,8 @@ from qad_pipeline.evaluation import evaluate_model
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer, save_quantized, tied_embeddings
 from qad_pipeline.recipes import load_quantize_config, quantize_config, recipe_aliases
-from qad_pipeline.results import AutoQuantizeResult, PTQAlias, PTQScores, dump_result, write_result
+from qad_pipeline.results.base import dump_result, write_result
+from qad_pipeline.results.scores import AutoQuantizeResult, PTQAlias, PTQScores
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 
 

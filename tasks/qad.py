@@ -67,7 +67,10 @@ from qad_pipeline.config import ConfigError, Params, QADParams, StageError
 from qad_pipeline.distributed import join_world, launch_processes, resume, save_checkpoint, spread, trained_student
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer
-from qad_pipeline.results import CalibrationManifest, LossCurve, QADTraining, SelectionResult, read_result, write_result
+from qad_pipeline.results.base import read_result, write_result
+from qad_pipeline.results.data import CalibrationManifest
+from qad_pipeline.results.qad import LossCurve, QADTraining
+from qad_pipeline.results.selection import SelectionResult
 
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made

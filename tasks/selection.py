@@ -30,9 +30,11 @@ from qad_pipeline.config import ConfigError, Params, SelectionParams
 from qad_pipeline.layout import Layout
 from qad_pipeline.recipes import recipe_aliases
 from qad_pipeline.recovery import score_recovery
-from qad_pipeline.results import (BaselineMetrics, BPESweep, PTQResult, RecipeAlias, RecipeFailed, RecipeMetrics,
-                                  RecipeResult, RecipeRow, RecoveryPoint, RecoveryTable, SelectionResult, dump_result,
-                                  read_result, write_result)
+from qad_pipeline.results.base import dump_result, read_result, write_result
+from qad_pipeline.results.scores import BaselineMetrics, PTQResult
+from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
+                                            RecoveryPoint, RecoveryTable, SelectionResult)
+from qad_pipeline.results.sweep import BPESweep
 from qad_pipeline.stages import with_sweep
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}

@@ -18,7 +18,8 @@ from qad_pipeline import autoquant
 from qad_pipeline.artifacts import staged_dir
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import SweepSearch, write_result
+from qad_pipeline.results.base import write_result
+from qad_pipeline.results.scores import SweepSearch
 
 STATE = "state.pt"
 

@@ -11,27 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (
-    BaselineMetrics,
-    CalibrationManifest,
-    ExportMetrics,
-    LossCurve,
-    PTQAlias,
-    PTQResult,
-    PTQScores,
-    QADMetrics,
-    QADTraining,
-    RecipeAlias,
-    RecipeFailed,
-    RecipeMetrics,
-    RecipeResult,
-    RecipeRow,
-    RecoveryTable,
-    RunSummary,
-    SelectionResult,
-    ServingNotes,
-    TaskScore,
-)
+from qad_pipeline.results.data import CalibrationManifest
+from qad_pipeline.results.export import ExportMetrics, ServingNotes
+from qad_pipeline.results.qad import LossCurve, QADMetrics, QADTraining
+from qad_pipeline.results.run import RunSummary
+from qad_pipeline.results.scores import BaselineMetrics, PTQAlias, PTQResult, PTQScores, TaskScore
+from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
+                                            RecoveryTable, SelectionResult)
 
 FINGERPRINT = "0" * 64
 

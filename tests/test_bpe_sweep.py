@@ -2,11 +2,10 @@
 AutoQuantize model's layer map and both bit counts against the safetensors of its export."""
 
 import pytest
-import torch
 
 from qad_pipeline import autoquant
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
-from qad_pipeline.results import SweepPoint
+from qad_pipeline.results.sweep import SweepPoint
 from tasks.bpe_sweep import choose_knee, monotone_within, noise
 
 SWEEP_RECIPE = PROJECT_ROOT / "recipes" / "autoquant_4o6-fp8-kv_fp8.yaml"
@@ -91,9 +90,9 @@ def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
     from modelopt.torch.export import export_hf_checkpoint
 
     from qad_pipeline.artifacts import read_json
+    from qad_pipeline.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.sizes import size_report
-    from qad_pipeline.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
     from tasks.export import repair_layer_names
 
     params = load_params()
@@ -141,10 +140,12 @@ def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from qad_pipeline import tracking
     from flows.sweep import bpe_sweep
+    from qad_pipeline import tracking
     from qad_pipeline.layout import Layout
-    from qad_pipeline.results import BPESweep, PTQScores, read_result
+    from qad_pipeline.results.base import read_result
+    from qad_pipeline.results.scores import PTQScores
+    from qad_pipeline.results.sweep import BPESweep
     from tests.conftest import GOOD_RECIPES, TINY
 
     overrides = [*TINY, f"ptq.recipes=[{GOOD_RECIPES[0]}]", "sweep.budgets=[5.0, 8.0]"]

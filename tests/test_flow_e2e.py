@@ -10,7 +10,8 @@ import math
 import pytest
 
 from qad_pipeline.artifacts import read_json
-from qad_pipeline.results import RunSummary, dump_result, read_result
+from qad_pipeline.results.base import dump_result, read_result
+from qad_pipeline.results.run import RunSummary
 from tests.conftest import BROKEN_RECIPE as BROKEN
 from tests.conftest import GOOD_RECIPES as GOOD
 from tests.samples import result_files
@@ -83,7 +84,7 @@ def test_prefect_graph_has_the_dag_edges(run):
     """The task runs' upstream dependencies, as Prefect's API records them (the UI draws these), are
     the registry's `Stage.after`: every task run of each stage it names, in this run."""
     from qad_pipeline.config import PROJECT_PARAMS, load_params
-    from qad_pipeline.stages import STAGES, planned
+    from qad_pipeline.stages import planned
 
     _, _, prefect, overrides = run
     runs = prefect["task_runs"]

@@ -11,7 +11,8 @@ from flows import publish
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import RunSummary, dump_result
+from qad_pipeline.results.base import dump_result
+from qad_pipeline.results.run import RunSummary
 from tests import samples
 
 ROWS = [{"choice": "", "name": "bf16", "status": "ok", "median rec. %": 100.0, "CI %": ""},

@@ -15,7 +15,8 @@ from markdown_it import MarkdownIt
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import SELECTED_MARK, read_summary, recipe_rows, report_markdown, run_description
-from qad_pipeline.results import RecipeFailed, RecipeRow, write_result
+from qad_pipeline.results.base import write_result
+from qad_pipeline.results.selection import RecipeFailed, RecipeRow
 from tests import samples
 
 TASKS = ("heldout_cloze", "perplexity")
@@ -113,7 +114,7 @@ def test_run_description_leads_with_the_decision(layout):
 def test_recovery_plot_draws_band_intervals_legend_and_separate_labels(layout):
     from matplotlib.patches import Rectangle
 
-    from qad_pipeline.plots import recovery_figure, recovery_vs_bpe
+    from qad_pipeline.run_plots import recovery_figure, recovery_vs_bpe
 
     fig = recovery_figure(layout, RECIPES)
     ax = fig.axes[0]
@@ -140,7 +141,7 @@ def test_recovery_plot_draws_band_intervals_legend_and_separate_labels(layout):
     ("none", [5.0, 6.0], False),
 ])
 def test_the_sweep_is_reported_exactly_when_the_run_swept(layout, selection_sweep, budgets, shown):
-    from qad_pipeline.results import BPESweep, Knee, SweepPoint
+    from qad_pipeline.results.sweep import BPESweep, Knee, SweepPoint
 
     point = SweepPoint(name="r@5.0", kind="sweep", budget=5.0, searched_effective_bits=5.0, effective_bpe=5.2,
                        median_recovery=0.97, median_recovery_ci=(0.95, 0.99), kl_divergence=0.02,

@@ -23,7 +23,8 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     assert list(STAGES) == [s.value for s in Stage]
     # the project's params.yaml does not sweep: no sweep stage, and nothing waits for one's files
     assert list(stages) == [name for name, s in STAGES.items() if not s.sweep]
-    assert not any("sweep" in dep for stage in stages.values() for dep in stage.get("do", stage)["deps"] if "$" not in dep)
+    deps = {dep for stage in stages.values() for dep in stage.get("do", stage)["deps"]}
+    assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json"}
     swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee"})))["stages"]
     assert list(swept) == list(STAGES) and "metrics/bpe_sweep.json" in swept["selection"]["deps"]
     ptq = stages["ptq"]["do"]
@@ -101,7 +102,7 @@ def test_what_follows_selection_depends_on_the_policy_and_the_export_source():
 def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
     from qad_pipeline.config import ConfigError
     from qad_pipeline.layout import Layout
-    from qad_pipeline.results import write_result
+    from qad_pipeline.results.base import write_result
     from tasks.export import export_source
     from tests import samples
 
@@ -116,3 +117,12 @@ def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
         export_source(load_params(), layout)  # policy qad: the student, which QAD has not written
     with pytest.raises(ConfigError, match="export.source is none"):
         export_source(load_params(overrides=["export.source=none"]), layout)
+
+
+def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its_file():
+    """A field added to the export's file re-runs the export, not calibration, the baseline or PTQ."""
+    users = {module: {name for name, s in STAGES.items() if module in code_modules(s.module)}
+             for module in ("qad_pipeline.results.export", "qad_pipeline.results.data", "qad_pipeline.results.qad")}
+    assert users["qad_pipeline.results.export"] == {"export"}
+    assert users["qad_pipeline.results.data"] == {"calibration", "qad"}  # QAD reads the calibration manifest
+    assert users["qad_pipeline.results.qad"] == {"qad", "final_eval"}

@@ -26,20 +26,14 @@ from qad_pipeline import tracking
 from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (
-    BaselineMetrics,
-    ExportMetrics,
-    RecipeMetrics,
-    RecipeRow,
-    SelectionResult,
-    TaskScore,
-    read_result,
-    write_result,
-)
-from tasks.final_eval import comparison_table
-from tasks.selection import run_selection
+from qad_pipeline.results.base import read_result, write_result
+from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.scores import BaselineMetrics, TaskScore
+from qad_pipeline.results.selection import RecipeMetrics, RecipeRow, SelectionResult
 from qad_pipeline.tracking.children import ptq_child
 from qad_pipeline.tracking.stale import process_tags
+from tasks.final_eval import comparison_table
+from tasks.selection import run_selection
 from tests import samples
 
 GOOD = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]

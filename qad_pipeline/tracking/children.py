@@ -16,31 +16,16 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import (
-    BaselineMetrics,
-    BPESweep,
-    CalibrationManifest,
-    ExportMetrics,
-    PTQResult,
-    PTQScores,
-    QADMetrics,
-    QADTraining,
-    RecipeFailed,
-    RecipeResult,
-    RecipeRow,
-    SelectionResult,
-    dump_result,
-    read_result,
-)
-from qad_pipeline.tracking.datasets import manifest_datasets
-from qad_pipeline.tracking.metrics import (
-    ci_metrics,
-    number,
-    numeric_leaves,
-    pick,
-    task_metrics,
-)
 from qad_pipeline.redaction import redact_text
+from qad_pipeline.results.base import dump_result, read_result
+from qad_pipeline.results.data import CalibrationManifest
+from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.qad import QADMetrics, QADTraining
+from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
+from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
+from qad_pipeline.results.sweep import BPESweep
+from qad_pipeline.tracking.datasets import manifest_datasets
+from qad_pipeline.tracking.metrics import ci_metrics, number, numeric_leaves, pick, task_metrics
 from qad_pipeline.tracking.store import ERROR
 
 if TYPE_CHECKING:

@@ -9,8 +9,9 @@ import warnings
 from typing import TYPE_CHECKING
 
 from qad_pipeline.config import Params, resolve
-from qad_pipeline.results import CalibrationManifest, dump_result
 from qad_pipeline.redaction import redact, redact_text
+from qad_pipeline.results.base import dump_result
+from qad_pipeline.results.data import CalibrationManifest
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient

@@ -7,8 +7,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.results import TaskScore
 from qad_pipeline.redaction import flatten
+from qad_pipeline.results.scores import TaskScore
 
 
 def number(value: Any) -> float | None:

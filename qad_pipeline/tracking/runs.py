@@ -11,46 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
+from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.report import read_summary, report_markdown, run_description
-from qad_pipeline.results import (
-    BaselineMetrics,
-    ExportMetrics,
-    SelectionResult,
-    TrackingRecord,
-    dump_result,
-    read_result,
-    write_result,
-)
+from qad_pipeline.results.base import dump_result, read_result, write_result
+from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.run import TrackingRecord
+from qad_pipeline.results.scores import BaselineMetrics
+from qad_pipeline.results.selection import SelectionResult
 from qad_pipeline.stages import STAGES, planned
-from qad_pipeline.tracking.children import (
-    REASON_FILE,
-    SHORT_REASON,
-    ChildRun,
-    read_children,
-    result_file,
-)
+from qad_pipeline.tracking.children import REASON_FILE, SHORT_REASON, ChildRun, read_children, result_file
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs
 from qad_pipeline.tracking.metrics import metric_key
-from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
-from qad_pipeline.tracking.store import (
-    COMPLETE,
-    FLOW_RUN_ID,
-    GIT_COMMIT,
-    KIND,
-    LOGGED_AT,
-    NOTE,
-    PARENT,
-    RECIPE,
-    STAGE,
-    STALE,
-    artifact_location,
-    client_for,
-    ensure_experiment,
-    experiment_name,
-    tracking_uri,
-)
+from qad_pipeline.tracking.store import (COMPLETE, FLOW_RUN_ID, GIT_COMMIT, KIND, LOGGED_AT, NOTE, PARENT, RECIPE,
+                                         STAGE, STALE, artifact_location, client_for, ensure_experiment,
+                                         experiment_name, tracking_uri)
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient

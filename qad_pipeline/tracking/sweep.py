@@ -11,7 +11,9 @@ import time
 
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results import BPESweep, PTQScores, dump_result, read_result
+from qad_pipeline.results.base import dump_result, read_result
+from qad_pipeline.results.scores import PTQScores
+from qad_pipeline.results.sweep import BPESweep
 from qad_pipeline.tracking.children import ChildRun, stage_span
 from qad_pipeline.tracking.runs import _log_batch, _log_files, log_child, start_pipeline_run
 from qad_pipeline.tracking.store import KIND, NOTE, client_for, tracking_uri

@@ -1,0 +1,58 @@
+"""QAD's loss curve (artifacts/qad/loss.json, metrics/qad_loss.json) and the final eval's
+metrics/qad.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import RootModel
+
+from qad_pipeline.results.base import Strict
+from qad_pipeline.results.scores import TaskScore
+
+
+class LossPoint(Strict):
+    step: int
+    loss: float
+    lr: float
+
+
+class QADTraining(Strict):  # artifacts/qad/loss.json (tasks/qad.py: run_qad)
+    losses: list[LossPoint]
+    steps: int
+    resumed_from: int
+    final_loss: float
+    first_loss: float
+    steps_per_second: float | None
+    tokens_per_step: int
+    tokens_per_second: float | None
+    seconds: float
+    world_size: int
+    sharding: str | None
+    compute_dtype: str
+    gradient_checkpointing: bool
+    peak_gpu_memory_gb: float | None
+
+
+class LossCurve(RootModel[list[LossPoint]]):
+    """metrics/qad_loss.json, DVC's loss plot: the QAD loss per step."""
+
+
+class QADMetrics(Strict):  # metrics/qad.json (tasks/final_eval.py)
+    recipe: str
+    tasks: dict[str, TaskScore]
+    kl_divergence: float
+    kl_estimator: str
+    median_recovery: float
+    median_recovery_ci: tuple[float, float]
+    recovery_interval: str
+    ptq_median_recovery: float
+    ptq_median_recovery_ci: tuple[float, float]
+    qad_beats_ptq: bool
+    steps: int
+    final_loss: float
+    first_loss: float
+    steps_per_second: float | None
+    # comparison_table: rows bf16, ptq:<recipe>, qad with `name`, each task's score and
+    # `<task>_recovery`, `median_recovery`, `kl_divergence`: one column per task, so a dict
+    table: list[dict[str, Any]]

@@ -1,0 +1,42 @@
+"""What a whole run writes beside the stages: the MLflow record and the run summary (every report's input)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+from qad_pipeline.results.base import Strict
+from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.qad import QADMetrics
+from qad_pipeline.results.selection import SelectionResult
+from qad_pipeline.results.sweep import BPESweep
+
+
+class TrackingRecord(Strict):  # artifacts/mlflow_run.json (flows/pipeline.py, qad-pipeline log-mlflow)
+    """Which MLflow run holds this out-root's pipeline run, and whether it is logged whole."""
+
+    uri: str  # the tracking store, secrets masked
+    run_id: str
+    logged: bool  # every file logged and the run ended; False: started, or cut short (log-mlflow completes it)
+    model_version: str | None = None
+
+
+class RunSummary(Strict):
+    """The flow's result: what `flows/pipeline.py: run_dag` returns (as a dict), with the flow's
+    `plots`, `mlflow` and `dvc`. Also the report's input, which `report.read_summary` and
+    `qad-pipeline log-mlflow` make from the files alone: hence the defaults."""
+
+    selection: SelectionResult
+    recipes: list[dict[str, Any]]  # report.recipe_rows: display columns ("median rec. %", ...)
+    weight_error: list[dict[str, Any]] = []  # report.weight_error_rows
+    failed: list[str] = []
+    cached: list[str] = []
+    baseline_cached: bool = False
+    seconds: dict[str, float] = {}
+    root: str | None = None
+    qad: QADMetrics | None = None
+    export: ExportMetrics | None = None
+    sweep: BPESweep | None = None  # when the run swept first (selection.sweep set)
+    plots: list[str] = []
+    mlflow: dict[str, Any] = {}  # flows/pipeline.py: track: uri, run id, model version; or error
+    dvc: str | None = None
