@@ -301,5 +301,8 @@ def stage_phases(stage: str, params: Params, shape: ModelShape, device: str) -> 
         return ptq_phases(params, shape, device, recipe)
     if name in ("sweep_search", "sweep"):  # the sweep's AutoQuantize recipe, searched or at one budget
         return ptq_phases(params, shape, device, params.sweep.recipe)
-    return {"baseline": baseline_phases, "qad": qad_phases, "final_eval": final_eval_phases,
-            "export": export_phases}[name](params, shape, device)
+    phases = {"baseline": baseline_phases, "qad": qad_phases, "final_eval": final_eval_phases,
+              "export": export_phases}
+    if name not in phases:
+        raise ValueError(f"no memory model for stage {name!r}: give it its phases in memory_model.stage_phases")
+    return phases[name](params, shape, device)
