@@ -294,8 +294,6 @@ def prefect_setup(
 
 
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
-    import qad_pipeline  # noqa: F401  (installs the CPU NVFP4 kernels when there is no GPU)
-
     line = STAGES[name.value].run(params, layout, recipe)
     if line:
         typer.echo(line)
