@@ -126,3 +126,31 @@ def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its
     assert users["qad_pipeline.results.export"] == {"export"}
     assert users["qad_pipeline.results.data"] == {"calibration", "qad"}  # QAD reads the calibration manifest
     assert users["qad_pipeline.results.qad"] == {"qad", "final_eval"}
+
+
+def test_a_stage_added_to_the_registry_reaches_dvc_and_the_flows_wiring(monkeypatch, tmp_path):
+    """One `Stage(...)` is all dvc.yaml and the flows need (ARCHITECTURE.md, "Adding a stage")."""
+    from flows import runtime
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.stages import Output
+    from qad_pipeline.stages import Stage as Declared
+
+    added = Declared("model_card", "tasks.export:main", after=("export",), params=("export",),
+                     inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),))
+    monkeypatch.setitem(STAGES, "model_card", added)
+    card = yaml.safe_load(dvc_yaml())["stages"]["model_card"]
+    assert card["cmd"] == "qad-pipeline stage model_card" and "metrics/export.json" in card["deps"]
+    assert card["params"] == ["export"] and card["metrics"] == ["metrics/model_card.json"]
+    params = load_params(PROJECT_PARAMS)
+    runs = planned(params)
+    assert runs[-1] == (added, None)
+
+    submitted = []
+
+    def fake_submit(job, stage, item=None, after=None):
+        submitted.append((stage, item, after))
+        return f"{stage}:{item}"
+
+    monkeypatch.setattr(runtime, "submit", fake_submit)
+    futures = runtime.submit_stages(runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path)), runs)
+    assert submitted[-1] == ("model_card", None, [futures["export"][None]])
