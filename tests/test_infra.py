@@ -998,7 +998,8 @@ def test_dockerfile_builds_the_project_on_cuda_torch():
                 assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
                 copied.add(source.rstrip("/"))
     # What the package and the default params need at run time is in the image.
-    needed = set(pyproject()["tool"]["setuptools"]["package-dir"].values()) | {"pyproject.toml", "params.yaml"}
+    packages = {p.replace(".", "/") for p in pyproject()["tool"]["setuptools"]["packages"]}
+    needed = packages | {"pyproject.toml", "params.yaml"}
     if (ROOT / "prefect.yaml").is_file():  # deployed from inside the image
         needed.add("prefect.yaml")
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
