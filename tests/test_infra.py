@@ -36,6 +36,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from qad_pipeline.stages import module_file
+
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 K8S = INFRA / "k8s"
@@ -667,10 +669,19 @@ def test_workers_poll_their_pool(pool):
     assert deployment["spec"]["replicas"] == 1, "each replica applies its own --limit"
 
 
+def entrypoint_source(entrypoint: str) -> tuple[Path, str]:
+    """The source file and function name of a prefect.yaml entrypoint `package.module:function`."""
+    module, _, function = entrypoint.partition(":")
+    assert not module.endswith(".py") and "/" not in module, (
+        f"prefect.yaml entrypoint {entrypoint}: a file path loads a second copy of the flow's module; "
+        "name it by module path (flows.pipeline:qad_pipeline)")
+    return module_file(module), function
+
+
 def flow_name(entrypoint: str) -> str:
-    """The @flow(name=...) of a prefect.yaml entrypoint `path/to/file.py:function`."""
-    file, _, function = entrypoint.partition(":")
-    for node in ast.walk(ast.parse((ROOT / file).read_text())):
+    """The @flow(name=...) of a prefect.yaml entrypoint `package.module:function`."""
+    file, function = entrypoint_source(entrypoint)
+    for node in ast.walk(ast.parse(file.read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == function:
             for dec in node.decorator_list:
                 if isinstance(dec, ast.Call) and getattr(dec.func, "id", getattr(dec.func, "attr", "")) == "flow":
@@ -678,7 +689,7 @@ def flow_name(entrypoint: str) -> str:
                         if kw.arg == "name":
                             value = kw.value
                             if isinstance(value, ast.Name):  # name=FLOW_NAME, a module constant
-                                value = next(n.value for n in ast.parse((ROOT / file).read_text()).body
+                                value = next(n.value for n in ast.parse(file.read_text()).body
                                              if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == value.id)
                             return value.value
             return function.replace("_", "-")
@@ -707,10 +718,22 @@ def test_pools_match_prefect_yaml():
         assert found.get(full) == pool, f"prefect.yaml: {full} should run on {pool}, found {found.get(full)!r}"
 
 
+def test_prefect_yaml_entrypoints_load_the_imported_flows():
+    """What a worker and `prefect deploy` load (`load_flow_from_entrypoint`) is the flow object of the
+    imported module, so a process holds one copy of each flow module (a file path would load another)."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    for dep in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]:
+        module, _, function = dep["entrypoint"].partition(":")
+        loaded = load_flow_from_entrypoint(dep["entrypoint"], use_placeholder_flow=False)
+        assert loaded is getattr(importlib.import_module(module), function), dep["entrypoint"]
+        assert loaded.name == flow_name(dep["entrypoint"])
+
+
 def flow_defaults(entrypoint: str) -> dict:
     """The literal parameter defaults of a prefect.yaml entrypoint's flow function."""
-    file, _, function = entrypoint.partition(":")
-    for node in ast.walk(ast.parse((ROOT / file).read_text())):
+    file, function = entrypoint_source(entrypoint)
+    for node in ast.walk(ast.parse(file.read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == function:
             args = node.args
             pairs = list(zip(args.args[len(args.args) - len(args.defaults):], args.defaults))
