@@ -698,8 +698,7 @@ def flow_name(entrypoint: str) -> str:
 
 def test_pools_match_prefect_yaml():
     path = ROOT / "prefect.yaml"
-    if not path.is_file():
-        pytest.skip("prefect.yaml does not exist yet: the deployments' work pools are not checked against infra/")
+    assert path.is_file(), "prefect.yaml is missing: the deployments' work pools cannot be checked against infra/"
     declared = yaml.safe_load(path.read_text()) or {}
     found = {}
     for dep in declared.get("deployments") or []:
@@ -771,8 +770,7 @@ def test_flow_outputs_land_on_the_shared_volume():
     for pool in TEMPLATES:  # out_root's default is the working directory: its outputs must be shared
         assert on_volume(pool, "artifacts/calibration") and on_volume(pool, "metrics/baseline.json")
     path = ROOT / "prefect.yaml"
-    if not path.is_file():
-        pytest.skip("prefect.yaml does not exist yet: the deployments' paths are not checked")
+    assert path.is_file(), "prefect.yaml is missing: the deployments' paths cannot be checked"
     for dep in (yaml.safe_load(path.read_text()) or {}).get("deployments") or []:
         pool = (dep.get("work_pool") or {}).get("name")
         values = flow_defaults(dep["entrypoint"]) | (dep.get("parameters") or {})
@@ -1022,9 +1020,7 @@ def test_dockerfile_builds_the_project_on_cuda_torch():
                 copied.add(source.rstrip("/"))
     # What the package and the default params need at run time is in the image.
     packages = {p.replace(".", "/") for p in pyproject()["tool"]["setuptools"]["packages"]}
-    needed = packages | {"pyproject.toml", "params.yaml"}
-    if (ROOT / "prefect.yaml").is_file():  # deployed from inside the image
-        needed.add("prefect.yaml")
+    needed = packages | {"pyproject.toml", "params.yaml", "prefect.yaml"}  # deployed from inside the image
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for value in (params["base_model"]["path"], params["calibration"]["source"], params["ptq"]["recipe_dir"],
                   params["eval"]["task_dir"]):
