@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import itertools
+import re
 from pathlib import Path
 
 import jsonschema
@@ -17,9 +18,10 @@ from qad_pipeline.stages import module_file
 from tests.infra_commands import check_command
 from tests.infra_files import ROOT, TEMPLATES, WORKERS, dockerfile, template, worker_args, yaml_docs
 
-# The deployments of prefect.yaml (written elsewhere) and the pool each must run on.
+# The deployments of prefect.yaml (README's table of deployments) and the pool each must run on.
 DEPLOYMENT_POOLS = {
     "qad-pipeline/default": "qad-control",
+    "bpe-sweep/default": "qad-control",
     "ptq-recipe/gpu": "qad-gpu",
     "gpu-stage/gpu": "qad-gpu",
     "watch-base-checkpoints/cron": "qad-control",
@@ -102,6 +104,19 @@ def test_prefect_yaml_entrypoints_load_the_imported_flows():
         loaded = load_flow_from_entrypoint(dep["entrypoint"], use_placeholder_flow=False)
         assert loaded is getattr(importlib.import_module(module), function), dep["entrypoint"]
         assert loaded.name == flow_name(dep["entrypoint"])
+
+
+def test_readme_lists_every_deployment_of_prefect_yaml():
+    """README's table of deployments: one row per deployment of prefect.yaml, on its pool, and the count."""
+    declared = {f"{flow_name(d['entrypoint'])}/{d['name']}": d["work_pool"]["name"]
+                for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Deployments"):]
+    section = section[:section.index("\n## ")]
+    rows = dict(re.findall(r"^\| `([\w-]+/[\w-]+)` \| `([\w-]+)` \|", section, re.MULTILINE))
+    assert rows == declared, f"README's deployments {rows} != prefect.yaml's {declared}"
+    words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
+    assert f"declares {words.get(len(declared), len(declared))} deployments" in section
 
 
 def flow_defaults(entrypoint: str) -> dict:
