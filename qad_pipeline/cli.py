@@ -13,7 +13,6 @@ import errno
 import os
 import signal
 import subprocess
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -320,10 +319,6 @@ def dvc_yaml_command(
     if not current:
         path.write_text(text)
     typer.echo(f"{path}: {'unchanged' if current else 'written'} ({len(dvc_stages(params))} stages)")
-
-
-def main() -> None:  # pragma: no cover
-    sys.exit(app())
 
 
 @app.command("plan")

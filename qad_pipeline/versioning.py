@@ -81,8 +81,9 @@ DVC_YAML_HEADER = """\
 # Each stage lists the params.yaml keys it reads, its code (every project module it imports) and
 # its input data as dependencies, and everything it writes as outputs. The base model
 # (${base_model.path}) must be a local folder here; track it with `dvc add` (see README) so that
-# a new version is a DVC change. QAD with qad.source set reads that text too: add it to the qad
-# stage's deps if you set it.
+# a new version is a DVC change. QAD with qad.source set reads that text too, which no stage
+# declares (its default, null, is no path): to track it, add "${qad.source}" to the qad stage's
+# inputs in qad_pipeline/stages.py and run `qad-pipeline dvc-yaml`, rather than edit this file.
 """
 
 

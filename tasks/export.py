@@ -112,7 +112,9 @@ def check_target(folder: Path, source_key: str) -> None:
                           "move them away or choose another --out-root")
     held = read_json(manifest).get("source")
     if held != source_key:
-        raise ConfigError(f"export target {folder} holds a different checkpoint (source {held[:12]}…); "
+        what = (f"a different checkpoint (source {held[:12]}…)" if isinstance(held, str)
+                else f"an export whose {MANIFEST} names no source")
+        raise ConfigError(f"export target {folder} holds {what}; "
                           "remove it or choose another --out-root rather than mix two checkpoints")
 
 

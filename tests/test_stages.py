@@ -72,9 +72,11 @@ def test_one_name_per_stage_everywhere():
     assert STAGES["export"].dvc_name() == "export"
 
 
-def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_one():
+def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_one(monkeypatch, tmp_path):
     import signal
+    from pathlib import PurePath
 
+    from qad_pipeline import processes
     from qad_pipeline.processes import exit_reason, oom_kills
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -84,8 +86,15 @@ def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_on
     assert exit_reason(-signal.SIGKILL, 3, 3) == "killed by SIGKILL"
     assert "see `dmesg`" in exit_reason(-signal.SIGKILL, None, None)
     assert exit_reason(2, 0, 0) == "exit code 2"
-    kills = oom_kills()
-    assert kills is None or kills >= 0
+    # The kernel's count: cgroup v2's memory.events (not its `oom` line), else v1's memory.oom_control.
+    monkeypatch.setattr(processes, "Path", lambda path: tmp_path / PurePath(path).name)
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 3\noom_kill 2\noom_group_kill 0\n")
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 5\n")
+    assert oom_kills() == 2
+    (tmp_path / "memory.events").unlink()
+    assert oom_kills() == 5
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\n")
+    assert oom_kills() is None  # no count here: exit_reason then points at dmesg
 
 
 def test_what_follows_selection_depends_on_the_policy_and_the_export_source():

@@ -1,0 +1,153 @@
+"""Offline checks of the work pools' base job templates (infra/k8s/*-base-job-template.json): against
+Prefect's work-pool validation, JSON Schema, and prefect-kubernetes' `KubernetesWorkerJobConfiguration`,
+which renders them exactly as the worker does; the rendered Jobs against the Kubernetes API models."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import json
+import uuid
+
+import jsonschema
+import pytest
+
+from tests.infra_files import (
+    GPU,
+    NEEDS_PREFECT_KUBERNETES,
+    QUANTITY,
+    TEMPLATES,
+    WORKER_REQUIRED_EXTRAS,
+    manifest_errors,
+    pod_spec,
+    resource_quantities,
+    template,
+)
+
+# ---------------------------------------------------------------------------------------------
+# rendering a base job template as the Kubernetes worker does
+
+
+def sample_value(schema: dict):
+    """A value of the schema's first non-null type (to render every optional placeholder)."""
+    options = schema.get("anyOf", [schema])
+    kind = next(o.get("type") for o in options if o.get("type") != "null")
+    if "enum" in schema:
+        return schema["enum"][-1]
+    return {"string": "2", "integer": 3600, "boolean": False, "object": {}, "array": []}[kind]
+
+
+def render(pool: str, values: dict) -> dict:
+    """The Job manifest prefect-kubernetes would submit for a flow run of a deployment on `pool`."""
+    if importlib.util.find_spec("prefect_kubernetes") is None:
+        pytest.skip(NEEDS_PREFECT_KUBERNETES)
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    class NoApi:
+        """Stands in for the API client: the templates hold no block or variable references."""
+
+    async def build():
+        return await KubernetesWorkerJobConfiguration.from_template_and_values(
+            copy.deepcopy(template(pool)), values, client=NoApi()
+        )
+
+    with temporary_settings({PREFECT_API_URL: "http://prefect-server.qad.svc:4200/api"}):
+        config = asyncio.run(build())
+        config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4()))
+    return config.job_manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# the base job templates
+
+
+@pytest.mark.parametrize("pool", sorted(TEMPLATES))
+def test_base_job_template_passes_prefects_work_pool_validation(pool):
+    from prefect.server.schemas.actions import WorkPoolCreate
+    from prefect.utilities.templating import find_placeholders
+
+    tpl = template(pool)
+    # What the server runs on `prefect work-pool create --base-job-template`: every placeholder of the
+    # job configuration must be a declared variable.
+    WorkPoolCreate(name=pool, type="kubernetes", base_job_template=tpl)
+    used = {p.name for p in find_placeholders(json.dumps(tpl["job_configuration"]))}
+    declared = set(tpl["variables"]["properties"])
+    assert used <= declared, f"undeclared variables: {sorted(used - declared)}"
+    assert declared <= used, f"variables that change nothing: {sorted(declared - used)}"
+
+    schema = tpl["variables"]
+    jsonschema.validators.validator_for(schema).check_schema(schema)
+    defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    jsonschema.validate(defaults, schema)  # what a deployment without job variables gets
+    every = {k: sample_value(v) for k, v in schema["properties"].items()}
+    jsonschema.validate(every, schema)
+
+
+@pytest.mark.parametrize("pool", sorted(TEMPLATES))
+def test_base_job_template_has_the_structure_of_prefect_kubernetes_default(pool):
+    if importlib.util.find_spec("prefect_kubernetes") is None:
+        pytest.skip(NEEDS_PREFECT_KUBERNETES)
+    from prefect_kubernetes.worker import KubernetesWorker
+
+    default = KubernetesWorker.get_default_base_job_template()
+    tpl = template(pool)
+    # cluster_config (kubeconfig block for an out-of-cluster worker) is left out: the workers run
+    # in the cluster.
+    assert set(tpl["job_configuration"]) == set(default["job_configuration"]) - {"cluster_config"}
+    for name, spec in default["variables"]["properties"].items():
+        if name != "cluster_config":
+            assert name in tpl["variables"]["properties"], f"{pool}: the worker's variable {name!r} is missing"
+            if "enum" in spec:
+                assert tpl["variables"]["properties"][name]["enum"] == spec["enum"]
+
+
+@pytest.mark.parametrize("pool", sorted(TEMPLATES))
+@pytest.mark.parametrize("variables", ["defaults", "every variable set"])
+def test_rendered_job_is_a_valid_kubernetes_job(pool, variables):
+    props = template(pool)["variables"]["properties"]
+    values = {} if variables == "defaults" else {k: sample_value(v) for k, v in props.items() if k != "command"}
+    manifest = render(pool, values)
+    errors = manifest_errors(manifest)
+    unknown = {e.split(":")[0] for e in errors if "no such field" in e}
+    assert unknown == WORKER_REQUIRED_EXTRAS, errors
+    assert all("no such field" in e for e in errors), errors
+    for name, value in resource_quantities(pod_spec(manifest)):
+        assert isinstance(value, str) and QUANTITY.match(value), f"{name}: {value!r} is not a Kubernetes quantity"
+    container = pod_spec(manifest)["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PREFECT_API_URL"] == "http://prefect-server.qad.svc:4200/api", "the worker passes its API URL on"
+    assert container["args"][:3] == ["prefect", "flow-run", "execute"]
+
+
+def test_every_gpu_job_requests_exactly_one_gpu():
+    tpl = template("qad-gpu")
+    raw = tpl["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"]
+    assert len(raw) == 1
+    for kind in ("limits", "requests"):
+        assert raw[0]["resources"][kind][GPU] == "1", f"{kind}: the GPU count is fixed in the manifest, not a variable"
+    for values in ({}, {"cpu_limit": "64", "memory_limit": "1Ti", "node_selector": {}, "tolerations": []}):
+        spec = pod_spec(render("qad-gpu", values))
+        gpus = [c["resources"]["limits"].get(GPU) for c in spec["containers"]]
+        assert gpus == ["1"], f"GPU limits of the rendered Job: {gpus}"
+        assert spec["containers"][0]["resources"]["requests"][GPU] == "1"
+    spec = pod_spec(render("qad-gpu", {}))
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+
+
+def test_control_jobs_request_no_gpu():
+    manifest = render("qad-control", {})
+    assert GPU not in json.dumps(manifest)
+    assert pod_spec(manifest).get("nodeSelector", {}) == {} and pod_spec(manifest).get("tolerations", []) == []
+
+
+def test_the_two_templates_differ_only_in_the_gpu():
+    gpu, control = copy.deepcopy(template("qad-gpu")), template("qad-control")
+    container = gpu["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    for kind in ("limits", "requests"):
+        del container["resources"][kind][GPU]
+    assert gpu["job_configuration"] == control["job_configuration"]
+    assert gpu["variables"]["properties"].keys() == control["variables"]["properties"].keys()
