@@ -117,11 +117,7 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
         for declared, _ in (run for run in runs if run[0].after_selection):
             futures[declared.name][None].result()  # in order: the first failure fails the flow
     states = {(name, item): f.state for name, items in futures.items() for item, f in items.items()}
-    for (name, item), state in states.items():
-        if not state.is_completed():
-            logger.warning("%s failed; the run went on without it", STAGES[name].run_name(item))
-        elif state.name == "Cached":
-            logger.info("%s taken from cache (inputs unchanged)", STAGES[name].run_name(item))
+    log_states(futures, logger)
     ran = [key for key, state in states.items() if state.is_completed()]
     seconds = {STAGES[name].summary_key(item): futures[name][item].result() for name, item in ran}
     seconds.update({"up to selection (wall)": up_to_selection, "run (wall)": time.time() - started})
@@ -132,6 +128,20 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
         baseline_cached=states[("baseline", None)].name == "Cached")
     publish_report(params, summary)
     return summary, ran
+
+
+def log_states(futures, logger) -> None:
+    """What failed alone and what came from Prefect's cache, one line per stage: "PTQ failed for
+    <recipes>; selecting among the others", "PTQ taken from cache (inputs unchanged): <recipes>"."""
+    for name, items in futures.items():
+        label = "PTQ" if name == "ptq" else name
+        failed = [item or "" for item, future in items.items() if not future.state.is_completed()]
+        cached = [item or "" for item, future in items.items() if future.state.name == "Cached"]
+        if failed:
+            logger.warning("%s failed%s; selecting among the others", label,
+                           f" for {', '.join(failed)}" if any(failed) else "")
+        if cached:
+            logger.info("%s taken from cache (inputs unchanged)%s", label, f": {', '.join(cached)}" if any(cached) else "")
 
 
 def fail_on_required(futures) -> None:

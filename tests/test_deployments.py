@@ -140,8 +140,17 @@ def test_unknown_parameter_and_bad_value_fail_at_once(stack, tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
-def test_recipes_run_at_once_on_two_gpu_workers(stack, tmp_path, recipe_dir):
-    run = stack.wait(stack.run("qad-pipeline/default", params(tmp_path / "run", recipe_dir)))
+@pytest.fixture(scope="module")
+def two_recipes(stack, tmp_path_factory, recipe_dir):
+    """One deployed run of both recipes: (the flow run, its out-root, its parameters). The killed-
+    recipe test goes on from it."""
+    root = tmp_path_factory.mktemp("deployed") / "run"
+    args = params(root, recipe_dir)
+    return stack.wait(stack.run("qad-pipeline/default", args)), root, args
+
+
+def test_recipes_run_at_once_on_two_gpu_workers(stack, two_recipes):
+    run, root, _ = two_recipes
     assert run.state.is_completed(), run.state.message
     children = recipe_runs(stack, run.id)
     assert set(children) == set(GOOD_RECIPES)
@@ -161,14 +170,12 @@ def test_recipes_run_at_once_on_two_gpu_workers(stack, tmp_path, recipe_dir):
     assert workers == {"prefect.worker.process.gpu-0", "prefect.worker.process.gpu-1"}, workers
     assert len({c.infrastructure_pid for c in children.values()}) == 2
     for name in GOOD_RECIPES:
-        assert (tmp_path / "run/artifacts/ptq" / name / "scores.json").is_file()
+        assert (root / "artifacts/ptq" / name / "scores.json").is_file()
 
 
-def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(stack, tmp_path, recipe_dir):
+def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(stack, two_recipes, recipe_dir):
     survivor, victim = GOOD_RECIPES
-    root = tmp_path / "crash"
-    args = params(root, recipe_dir)
-    first = stack.wait(stack.run("qad-pipeline/default", args))  # both recipes computed
+    first, _, args = two_recipes  # both recipes computed
     assert first.state.is_completed()
     victim_file = recipe_dir / f"{victim}.yaml"
     victim_file.write_text(victim_file.read_text() + "\n# changed: only this recipe re-runs\n")
