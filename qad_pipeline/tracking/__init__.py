@@ -28,9 +28,10 @@ The default store is a SQLite file in the output root (`sqlite:///<root>/mlflow.
 start); `MLFLOW_TRACKING_URI` points elsewhere (an `http(s)://` server, `postgresql://...`).
 
 Modules, by job: `store` (where, whether, names), `qad_pipeline.redaction` (secrets), `children` and `metrics`
-(what each stage's run holds, read from its files), `datasets` (data as run inputs), `runs`
-(logging a pipeline run), `stale` (runs whose logger died), `registry` (model versions),
-`compare` (reading runs back).
+(what each stage's run holds, read from its files), `datasets` (data as run inputs), `write`
+(writing one run: a redacted batch, files, a child run), `runs` (logging a pipeline run), `sweep`
+(logging a BPE sweep), `stale` (runs whose logger died), `registry` (model versions), `compare`
+(reading runs back).
 """
 
 from qad_pipeline.tracking.children import (
@@ -63,7 +64,6 @@ from qad_pipeline.tracking.registry import (
 )
 from qad_pipeline.tracking.runs import (
     headline_metrics,
-    log_child,
     log_pipeline,
     pipeline_status,
     record_run,
@@ -71,6 +71,7 @@ from qad_pipeline.tracking.runs import (
     start_pipeline_run,
 )
 from qad_pipeline.tracking.stale import mark_stale_runs
+from qad_pipeline.tracking.write import log_child
 from qad_pipeline.tracking.sweep import log_sweep
 from qad_pipeline.tracking.store import (
     EXPERIMENT_PREFIX,

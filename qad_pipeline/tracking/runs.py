@@ -4,13 +4,12 @@ metrics, description) and one child run per stage and recipe, read from the file
 from __future__ import annotations
 
 import json
-import math
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
+from qad_pipeline.redaction import flatten, redact_data, redact_text
 from qad_pipeline.report import read_summary, report_markdown, run_description
 from qad_pipeline.results import (
     BaselineMetrics,
@@ -29,21 +28,14 @@ from qad_pipeline.tracking.children import (
     read_children,
     result_file,
 )
-from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs
-from qad_pipeline.tracking.metrics import metric_key
-from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
 from qad_pipeline.tracking.store import (
-    COMPLETE,
     FLOW_RUN_ID,
     GIT_COMMIT,
     KIND,
     LOGGED_AT,
     NOTE,
-    PARENT,
-    RECIPE,
-    STAGE,
     STALE,
     artifact_location,
     client_for,
@@ -51,43 +43,10 @@ from qad_pipeline.tracking.store import (
     experiment_name,
     tracking_uri,
 )
-
-if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
-    from mlflow import MlflowClient
+from qad_pipeline.tracking.write import end_quietly, log_batch, log_children, log_files
 
 HEADLINE = ("median_recovery", "median_recovery_ci_low", "median_recovery_ci_high", "kl_divergence",
             "effective_bpe", "weight_error.median", "size_bytes")
-
-
-def _log_batch(client: MlflowClient, run_id: str, *, params: Mapping[str, Any] | None = None,
-               tags: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None,
-               timestamp_ms: int | None = None, steps: Iterable[tuple[str, float, int, int]] = ()) -> None:
-    """One log_batch; every param and tag value passes through redact. MLflow splits it into
-    batches within its limits and truncates param and tag values that are too long."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
-    p = [Param(k, redact(k, v)) for k, v in (params or {}).items()]
-    t = [RunTag(k, redact(k, v)) for k, v in (tags or {}).items() if v is not None]
-    m = [Metric(metric_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()
-         if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    m += [Metric(metric_key(k), float(v), ms, step) for k, v, ms, step in steps]
-    client.log_batch(run_id, metrics=m, params=p, tags=t)
-
-
-def _log_files(client: MlflowClient, run_id: str, dicts: Mapping[str, Any], texts: Mapping[str, str]) -> None:
-    for name, data in dicts.items():
-        client.log_dict(run_id, redact_data(data), name)
-    for name, text in texts.items():
-        client.log_text(run_id, redact_text(text), name)
-
-
-def _end_quietly(client: MlflowClient, run_id: str, status: str) -> None:
-    """End a run after an error without hiding that error (the store may be what failed)."""
-    try:
-        client.set_terminated(run_id, status)
-    except Exception:  # noqa: BLE001 (left RUNNING: mark_stale_runs ends it later)
-        pass
 
 
 def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
@@ -121,7 +80,7 @@ def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | Non
         "git_commit": git_commit,
     }, ignore=[GitRunContext])
     config = params.model_dump(mode="json")
-    _log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
+    log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
     client.log_dict(run_id, redact_data(config), "config/params.json")
     return run_id
 
@@ -138,42 +97,6 @@ def _checkpoint_identity(layout: Layout, params: Params) -> dict:
         return checkpoint_identity(params.base_model)
     except ConfigError:
         return {"path": params.base_model.path, "revision": params.base_model.revision, "sha256": "unavailable"}
-
-
-def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, child: ChildRun) -> str:
-    """Log one ChildRun under the parent and end it with its status; returns its run id."""
-    tags = {PARENT: parent_run_id, KIND: "stage", STAGE: child.stage, **process_tags()}
-    if child.recipe:
-        tags[RECIPE] = child.recipe
-    run = client.create_run(experiment_id, start_time=child.start_ms, run_name=child.name, tags=tags)
-    run_id = run.info.run_id
-    try:
-        _log_batch(client, run_id, params=child.params, tags=child.tags, metrics=child.metrics,
-                   timestamp_ms=child.end_ms, steps=child.steps)
-        log_inputs(client, run_id, child.datasets)
-        _log_files(client, run_id, child.dicts, child.texts)
-    except BaseException:
-        _end_quietly(client, run_id, "FAILED")
-        raise
-    client.set_tag(run_id, COMPLETE, "true")
-    client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
-    return run_id
-
-
-def log_children(client: MlflowClient, parent: Any, children: list[ChildRun]) -> dict[str, str]:
-    """Log each child under `parent` once: a child an earlier, cut-short logging already logged
-    whole (tag `qad.complete`) is kept; one it left half-logged is deleted and logged again."""
-    before = {r.info.run_name: r for r in child_runs(client, parent)}
-    ids = {}
-    for child in children:
-        prior = before.get(child.name)
-        if prior is not None and prior.data.tags.get(COMPLETE) == "true":
-            ids[child.name] = prior.info.run_id
-            continue
-        if prior is not None:
-            client.delete_run(prior.info.run_id)
-        ids[child.name] = log_child(client, parent.info.experiment_id, parent.info.run_id, child)
-    return ids
 
 
 def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str, float]:
@@ -268,7 +191,7 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             sel = by_stage["selection"]
             tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
                          "qad.runner_up": sel.tags.get("runner_up"), "qad.selection.reason": sel.tags["reason"]})
-            _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
+            log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
                        {REASON_FILE: sel.texts[REASON_FILE]})
         metrics = headline_metrics(children, tags.get("qad.selected"))
         tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
@@ -283,11 +206,11 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
                     *([pareto] if params.selection.sweep != "none" and pareto.is_file() else [])]:
             client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
-        _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
+        log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
         if STALE in parent.data.tags:  # ended by mark_stale_runs while its logging was cut short: complete now
             client.delete_tag(run_id, STALE)
     except BaseException:
-        _end_quietly(client, run_id, "FAILED")
+        end_quietly(client, run_id, "FAILED")
         raise
     client.set_terminated(run_id, status or derived_status, end_time=end_ms)
     return run_id
