@@ -25,9 +25,14 @@ from qad_pipeline.artifacts import read_json, write_json
 from qad_pipeline.config import PROJECT_PARAMS, load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.results import (
+    AutoQuantizeLayer,
+    AutoQuantizeResult,
     BaselineMetrics,
+    BPESweep,
+    Knee,
     RecipeMetrics,
     SelectionResult,
+    SweepPoint,
     TaskScore,
     read_result,
     write_result,
@@ -180,6 +185,40 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     write_result(layout.export_metrics, samples.export_metrics(layout.export))
     touch(layout.export_metrics, t0 + 300)
     return layout
+
+
+def write_sweep(layout: Layout, params, t0: float, budgets: tuple[float, ...] = (5.0, 8.0)) -> BPESweep:
+    """A BPE sweep's files, as its stages write them after starting at t0: each budget's
+    `artifacts/sweep/<budget>/scores.json` (a PTQ recipe's, with its AutoQuantize layer map) and
+    `metrics/bpe_sweep.json` (the points, the knee at the first budget); also the Pareto plot."""
+    points = []
+    for i, budget in enumerate(budgets):
+        name = f"{params.sweep.recipe}@{budget}"
+        searched = AutoQuantizeResult(
+            budget=budget, searched_effective_bits=budget - 0.1, minimum_bits=4.5, method="gradient",
+            formats=["NVFP4_DEFAULT_CFG", "FP8_DEFAULT_CFG"], kv_cache="fp8", reused_search=True, search_s=1.0,
+            layers={"model.layers.0.mlp.up_proj": AutoQuantizeLayer(
+                format="NVFP4_DEFAULT_CFG", modules=["model.layers.0.mlp.up_proj"],
+                scores={"NVFP4_DEFAULT_CFG": 0.1, "FP8_DEFAULT_CFG": 0.01}, costs={"NVFP4_DEFAULT_CFG": 0.25,
+                                                                                 "FP8_DEFAULT_CFG": 0.5})})
+        scores = {t: v * (0.97 + 0.01 * i) if TASKS[t][1] else v / (0.97 + 0.01 * i) for t, v in BASE.items()}
+        started = t0 + 10 * i
+        write_result(layout.sweep(str(budget)) / "scores.json", samples.ptq_scores(
+            name, task_scores(scores), effective_bpe=budget + 0.2, auto_quantize=searched,
+            started_at=started, finished_at=started + 9.0))
+        points.append(SweepPoint(name=name, kind="sweep", budget=budget, searched_effective_bits=budget - 0.1,
+                                 effective_bpe=budget + 0.2, median_recovery=0.97 + 0.01 * i,
+                                 median_recovery_ci=(0.96 + 0.01 * i, 0.98 + 0.01 * i), kl_divergence=0.02 - 0.005 * i,
+                                 layers_by_format={"NVFP4_DEFAULT_CFG": 1}))
+    sweep = BPESweep(recipe=params.sweep.recipe, points=points, fixed=[],
+                     knee=Knee(name=points[0].name, budget=budgets[0], reason=f"{points[0].name}: more bits buy less."),
+                     knee_epsilon=params.sweep.knee_epsilon, noise=0.01, monotone_within_noise=True, failed=[],
+                     search_s=1.0, seconds={"total": 10.0 * len(budgets)})
+    write_result(layout.bpe_sweep_metrics, sweep)
+    touch(layout.bpe_sweep_metrics, t0 + 10 * len(budgets))
+    layout.bpe_plot.parent.mkdir(parents=True, exist_ok=True)
+    layout.bpe_plot.write_bytes(b"\x89PNG\r\n\x1a\n")
+    return sweep
 
 
 # -- one store, two pipeline runs logged and registered ---------------------------------------------

@@ -4,12 +4,11 @@ metrics, description) and one child run per stage and recipe, read from the file
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import flatten, redact_data, redact_text
+from qad_pipeline.redaction import redact_text
 from qad_pipeline.report import read_summary, report_markdown, run_description
 from qad_pipeline.results import (
     BaselineMetrics,
@@ -29,21 +28,9 @@ from qad_pipeline.tracking.children import (
     result_file,
 )
 from qad_pipeline.tracking.datasets import log_inputs
-from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
-from qad_pipeline.tracking.store import (
-    FLOW_RUN_ID,
-    GIT_COMMIT,
-    KIND,
-    LOGGED_AT,
-    NOTE,
-    STALE,
-    artifact_location,
-    client_for,
-    ensure_experiment,
-    experiment_name,
-    tracking_uri,
-)
-from qad_pipeline.tracking.write import end_quietly, log_batch, log_children, log_files
+from qad_pipeline.tracking.stale import mark_stale_runs
+from qad_pipeline.tracking.store import NOTE, STALE, client_for, tracking_uri
+from qad_pipeline.tracking.write import end_quietly, log_batch, log_children, log_files, start_parent_run
 
 HEADLINE = ("median_recovery", "median_recovery_ci_low", "median_recovery_ci_high", "kl_divergence",
             "effective_bpe", "weight_error.median", "size_bytes")
@@ -56,33 +43,8 @@ def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | Non
     Call it when the flow starts to have the run visible while it runs, then hand its id to
     `log_pipeline(..., run_id=...)` at the end; `log_pipeline` calls it itself otherwise.
     """
-    from mlflow.tracking.context.git_context import GitRunContext
-    from mlflow.tracking.context.registry import resolve_tags
-
-    uri = uri or tracking_uri(layout.root)
-    client = client_for(uri)
-    exp_id = ensure_experiment(client, experiment_name(params.base_model.path), artifact_location(uri, layout.root))
-    start_ms = start_ms if start_ms is not None else int(time.time() * 1000)
-    name = "pipeline-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(start_ms / 1000))
-    run = client.create_run(exp_id, start_time=start_ms, run_name=name, tags={KIND: "pipeline", **process_tags()})
-    run_id = run.info.run_id
-    # Path and revision now; the content hash is tagged by `log_pipeline` from this run's baseline
-    # (a baseline.json already in the out root may belong to an earlier run and another model).
-    identity = {"path": params.base_model.path, "revision": params.base_model.revision}
-    # MLflow's run context (mlflow.user, mlflow.source.*), but the caller's git commit: MLflow's
-    # git context reads the entry script's repository and never says "-dirty".
-    tags = resolve_tags({
-        LOGGED_AT: f"{int(time.time() * 1000):015d}",
-        "qad.out_root": str(layout.root),
-        **{f"base_model.{k}": v for k, v in identity.items()},
-        FLOW_RUN_ID: flow_run_id,
-        GIT_COMMIT: git_commit,
-        "git_commit": git_commit,
-    }, ignore=[GitRunContext])
-    config = params.model_dump(mode="json")
-    log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
-    client.log_dict(run_id, redact_data(config), "config/params.json")
-    return run_id
+    return start_parent_run(layout, params, kind="pipeline", prefix="pipeline-", flow_run_id=flow_run_id,
+                            git_commit=git_commit, uri=uri, start_ms=start_ms)
 
 
 def _checkpoint_identity(layout: Layout, params: Params) -> dict:
@@ -209,8 +171,8 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
         log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
         if STALE in parent.data.tags:  # ended by mark_stale_runs while its logging was cut short: complete now
             client.delete_tag(run_id, STALE)
-    except BaseException:
-        end_quietly(client, run_id, "FAILED")
+    except BaseException as err:
+        end_quietly(client, run_id, "FAILED", err)
         raise
     client.set_terminated(run_id, status or derived_status, end_time=end_ms)
     return run_id

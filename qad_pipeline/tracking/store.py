@@ -26,7 +26,7 @@ DEFAULT_DB_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mssql"
 DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]", "pymysql": "PyMySQL"}
 
 # tags this package sets
-KIND = "qad.kind"  # "pipeline" (parent) or "stage" (child)
+KIND = "qad.kind"  # "pipeline" or "sweep" (parents), "stage" (child)
 STAGE = "qad.stage"
 RECIPE = "qad.recipe"
 HOST = "qad.host"
@@ -40,6 +40,7 @@ NOTE = "mlflow.note.content"
 FLOW_RUN_ID = "prefect.flow_run_id"
 COMPLETE = "qad.complete"  # set last on a child run: everything it holds is logged
 STALE = "qad.stale"  # why mark_stale_runs ended a run
+LOGGING_ERROR = "qad.logging_error"  # why logging a run failed part-way (the run ended FAILED)
 
 
 def git_commit() -> str | None:

@@ -1,6 +1,6 @@
 """Writing runs into the store: one redacted batch of params, tags and metrics, artifact files, a
-child run from its `ChildRun`, and ending a run after an error. `runs` (a pipeline run) and
-`sweep` (a BPE sweep) are built from these."""
+parent run with the configuration and provenance, a child run from its `ChildRun`, and ending a
+run FAILED after an error. `runs` (a pipeline run) and `sweep` (a BPE sweep) are built from these."""
 
 from __future__ import annotations
 
@@ -9,13 +9,30 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from qad_pipeline.redaction import redact, redact_data, redact_text
+from qad_pipeline.config import Params
+from qad_pipeline.layout import Layout
+from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.children import ChildRun
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs
 from qad_pipeline.tracking.metrics import metric_key
 from qad_pipeline.tracking.stale import process_tags
-from qad_pipeline.tracking.store import COMPLETE, KIND, PARENT, RECIPE, STAGE
+from qad_pipeline.tracking.store import (
+    COMPLETE,
+    FLOW_RUN_ID,
+    GIT_COMMIT,
+    KIND,
+    LOGGED_AT,
+    LOGGING_ERROR,
+    PARENT,
+    RECIPE,
+    STAGE,
+    artifact_location,
+    client_for,
+    ensure_experiment,
+    experiment_name,
+    tracking_uri,
+)
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient
@@ -45,12 +62,57 @@ def log_files(client: MlflowClient, run_id: str, dicts: Mapping[str, Any], texts
         client.log_text(run_id, redact_text(text), name)
 
 
-def end_quietly(client: MlflowClient, run_id: str, status: str) -> None:
-    """End a run after an error without hiding that error (the store may be what failed)."""
+def end_quietly(client: MlflowClient, run_id: str, status: str, error: BaseException | None = None) -> None:
+    """End a run after an error without hiding that error (the store may be what failed); the
+    error, when given, as the tag `qad.logging_error`."""
+    if error is not None:
+        try:
+            client.set_tag(run_id, LOGGING_ERROR, redact_text(f"{type(error).__name__}: {error}")[:5000])
+        except Exception:  # noqa: BLE001 (the run still ends below, if the store lets it)
+            pass
     try:
         client.set_terminated(run_id, status)
     except Exception:  # noqa: BLE001 (left RUNNING: mark_stale_runs ends it later)
         pass
+
+
+def start_parent_run(layout: Layout, params: Params, *, kind: str, prefix: str, flow_run_id: str | None,
+                     git_commit: str | None, uri: str | None = None, start_ms: int | None = None) -> str:
+    """Create a parent run (RUNNING) in the base model's experiment: tagged `qad.kind=<kind>`,
+    named `<prefix><start time>`, with the configuration as params (and `config/params.json`),
+    the base model's path and revision, the git commit and the Prefect flow run. A failure after
+    the run exists ends it FAILED (and raises): no half-made run stays RUNNING."""
+    from mlflow.tracking.context.git_context import GitRunContext
+    from mlflow.tracking.context.registry import resolve_tags
+
+    uri = uri or tracking_uri(layout.root)
+    client = client_for(uri)
+    exp_id = ensure_experiment(client, experiment_name(params.base_model.path), artifact_location(uri, layout.root))
+    start_ms = start_ms if start_ms is not None else int(time.time() * 1000)
+    name = prefix + time.strftime("%Y%m%d-%H%M%S", time.localtime(start_ms / 1000))
+    run = client.create_run(exp_id, start_time=start_ms, run_name=name, tags={KIND: kind, **process_tags()})
+    run_id = run.info.run_id
+    try:
+        # Path and revision now; the content hash is tagged by `log_pipeline` from this run's baseline
+        # (a baseline.json already in the out root may belong to an earlier run and another model).
+        identity = {"path": params.base_model.path, "revision": params.base_model.revision}
+        # MLflow's run context (mlflow.user, mlflow.source.*), but the caller's git commit: MLflow's
+        # git context reads the entry script's repository and never says "-dirty".
+        tags = resolve_tags({
+            LOGGED_AT: f"{int(time.time() * 1000):015d}",
+            "qad.out_root": str(layout.root),
+            **{f"base_model.{k}": v for k, v in identity.items()},
+            FLOW_RUN_ID: flow_run_id,
+            GIT_COMMIT: git_commit,
+            "git_commit": git_commit,
+        }, ignore=[GitRunContext])
+        config = params.model_dump(mode="json")
+        log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
+        client.log_dict(run_id, redact_data(config), "config/params.json")
+    except BaseException as err:
+        end_quietly(client, run_id, "FAILED", err)
+        raise
+    return run_id
 
 
 def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, child: ChildRun) -> str:
@@ -65,8 +127,8 @@ def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, chil
                   timestamp_ms=child.end_ms, steps=child.steps)
         log_inputs(client, run_id, child.datasets)
         log_files(client, run_id, child.dicts, child.texts)
-    except BaseException:
-        end_quietly(client, run_id, "FAILED")
+    except BaseException as err:
+        end_quietly(client, run_id, "FAILED", err)
         raise
     client.set_tag(run_id, COMPLETE, "true")
     client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
