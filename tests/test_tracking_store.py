@@ -73,6 +73,21 @@ def test_mark_stale_runs_ends_runs_of_dead_processes(logged):
     client.set_terminated(foreign.info.run_id)
 
 
+def test_experiments_are_marked_as_model_development_for_the_mlflow_3_ui(logged):
+    uri, client = logged["uri"], logged["client"]
+    exp_id = client.get_run(logged["runs"][0]["run_id"]).info.experiment_id
+    assert MlflowClient(uri).get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    # one made before (or by someone else) without a kind gets it; one with a kind keeps its own
+    older = client.create_experiment(tracking.experiment_name("older/model"))
+    assert "mlflow.experimentKind" not in client.get_experiment(older).tags
+    assert tracking.ensure_experiment(client, tracking.experiment_name("older/model")) == older
+    assert MlflowClient(uri).get_experiment(older).tags["mlflow.experimentKind"] == "custom_model_development"
+    genai = client.create_experiment(tracking.experiment_name("genai/model"),
+                                     tags={"mlflow.experimentKind": "genai_development"})
+    assert tracking.ensure_experiment(client, tracking.experiment_name("genai/model")) == genai
+    assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"
+
+
 # -- the same round trip against PostgreSQL (skipped where PostgreSQL or psycopg2 is missing) ---------
 
 

@@ -7,7 +7,8 @@ tracking server went away can therefore be logged again later from the same file
 
 What goes where:
 
-* one experiment per base model, `qad-pipeline/<base_model.path>`;
+* one experiment per base model, `qad-pipeline/<base_model.path>`, marked as model development
+  (`mlflow.experimentKind`), so MLflow 3's UI opens it on the runs table;
 * one parent run per pipeline run (tag `qad.kind=pipeline`): the resolved configuration as
   params, the base checkpoint's identity, git commit and Prefect flow-run id as tags, the
   calibration and eval datasets as run inputs, the report, a Markdown description
