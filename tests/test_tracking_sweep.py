@@ -12,9 +12,10 @@ from mlflow import MlflowClient
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
 from qad_pipeline.layout import Layout
+from qad_pipeline.stages import with_sweep
 from qad_pipeline.tracking import sweep as tracking_sweep
 from qad_pipeline.tracking import write as tracking_write
-from tests.tracking_fakes import children, write_sweep
+from tests.tracking_fakes import BROKEN, GOOD, build_layout, children, make_params, write_sweep
 
 
 def sweep_params(root: Path):
@@ -93,3 +94,23 @@ def test_a_parent_run_whose_start_fails_part_way_ends_failed(store, monkeypatch)
         tracking.log_sweep(layout, params, flow_run_id=None, git_commit=None, start_ms=start_ms)
     [run] = client.search_runs([experiment_id(client, params)])
     assert run.info.status == "FAILED" and run.data.tags["qad.kind"] == "sweep"
+
+
+def test_a_run_without_budgets_logs_no_sweep_though_an_old_one_is_on_disk(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    model_dir = tmp_path / "base-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    params = make_params(tmp_path, model_dir)
+    layout = build_layout(tmp_path, params, time.time() - 600)
+    write_sweep(layout, params, time.time() - 7200)  # an earlier `qad-pipeline sweep`'s files
+    swept = params.model_copy(update={"selection": params.selection.model_copy(update={"sweep": "knee"})})
+    assert with_sweep(swept)  # budgets and selection.sweep: the sweep's runs are read
+    assert {"sweep-5.0", "sweep-8.0", "bpe_sweep"} <= {c.name for c in tracking.read_children(layout, swept)}
+    params = swept.model_copy(update={"sweep": swept.sweep.model_copy(update={"budgets": []})})
+    assert not with_sweep(params)  # selection.sweep: knee, but no budget: this run did not sweep
+    run_id = tracking.log_pipeline(layout, params, flow_run_id=None, git_commit=None)
+    client = MlflowClient(tracking.tracking_uri(tmp_path))
+    assert set(children(client, run_id)) == {"calibration", "baseline", *(f"ptq-{r}" for r in [*GOOD, BROKEN]),
+                                             "selection", "qad", "final_eval", "export"}
+    assert "plots/pareto.png" not in [a.path for a in client.list_artifacts(run_id, "plots")]

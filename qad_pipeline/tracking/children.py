@@ -33,6 +33,7 @@ from qad_pipeline.results import (
     dump_result,
     read_result,
 )
+from qad_pipeline.stages import with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import (
     ci_metrics,
@@ -355,7 +356,7 @@ def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     rows = {r.name: r for r in selection.table} if selection is not None else {}
     children = [stage_child(layout, params, "calibration"), stage_child(layout, params, "baseline")]
     children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
-    if params.selection.sweep != "none":  # the run swept first: a run per budget, and the curve's
+    if with_sweep(params):  # the run swept first: a run per budget, and the curve's
         sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
         children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
     children += [stage_child(layout, params, s) for s in ("selection", "qad", "final_eval", "export")]

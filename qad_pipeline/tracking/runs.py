@@ -19,7 +19,7 @@ from qad_pipeline.results import (
     read_result,
     write_result,
 )
-from qad_pipeline.stages import STAGES, planned
+from qad_pipeline.stages import STAGES, planned, with_sweep
 from qad_pipeline.tracking.children import (
     REASON_FILE,
     SHORT_REASON,
@@ -165,7 +165,7 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             client.log_text(run_id, redact_text(report), "report.txt")
         pareto = layout.bpe_plot  # the BPE sweep's, when the run swept first
         for png in [*sorted((layout.metrics / "plots").glob("*.png")),
-                    *([pareto] if params.selection.sweep != "none" and pareto.is_file() else [])]:
+                    *([pareto] if with_sweep(params) and pareto.is_file() else [])]:
             client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
         log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
