@@ -7,7 +7,8 @@ tracking server went away can therefore be logged again later from the same file
 
 What goes where:
 
-* one experiment per base model, `qad-pipeline/<base_model.path>`;
+* one experiment per base model, `qad-pipeline/<base_model.path>`, marked as model development
+  (`mlflow.experimentKind`), so MLflow 3's UI opens it on the runs table;
 * one parent run per pipeline run (tag `qad.kind=pipeline`): the resolved configuration as
   params, the base checkpoint's identity, git commit and Prefect flow-run id as tags, the
   calibration and eval datasets as run inputs, the report, a Markdown description
@@ -28,61 +29,24 @@ The default store is a SQLite file in the output root (`sqlite:///<root>/mlflow.
 start); `MLFLOW_TRACKING_URI` points elsewhere (an `http(s)://` server, `postgresql://...`).
 
 Modules, by job: `store` (where, whether, names), `qad_pipeline.redaction` (secrets), `children` and `metrics`
-(what each stage's run holds, read from its files), `datasets` (data as run inputs), `runs`
-(logging a pipeline run), `stale` (runs whose logger died), `registry` (model versions),
-`compare` (reading runs back).
+(what each stage's run holds, read from its files), `datasets` (data as run inputs), `write`
+(writing one run: a redacted batch, files, a child run), `runs` (logging a pipeline run), `sweep`
+(logging a BPE sweep), `stale` (runs whose logger died), `registry` (model versions), `compare`
+(reading runs back).
 """
 
-from qad_pipeline.tracking.children import (
-    ChildRun,
-    read_children,
-    short_reason,
-    stage_span,
-)
-from qad_pipeline.tracking.compare import (
-    compare_table,
-    compare_text,
-    find_experiment,
-    latest_pipeline_run,
-    run_url,
-)
-from qad_pipeline.redaction import (
-    REDACTED,
-    flatten,
-    is_secret_name,
-    redact,
-    redact_data,
-    redact_text,
-    secret_values,
-)
-from qad_pipeline.tracking.registry import (
-    CANDIDATE_ALIAS,
-    register_export,
-    version_description,
-    version_facts,
-)
-from qad_pipeline.tracking.runs import (
-    headline_metrics,
-    log_child,
-    log_pipeline,
-    pipeline_status,
-    record_run,
-    recorded_run,
-    start_pipeline_run,
-)
+from qad_pipeline.tracking.children import ChildRun, read_children, short_reason, stage_span
+from qad_pipeline.tracking.compare import compare_table, compare_text, find_experiment, latest_pipeline_run, run_url
+from qad_pipeline.redaction import REDACTED, flatten, is_secret_name, redact, redact_data, redact_text, secret_values
+from qad_pipeline.tracking.registry import CANDIDATE_ALIAS, register_export, version_description, version_facts
+from qad_pipeline.tracking.runs import (headline_metrics, log_pipeline, pipeline_status, record_run, recorded_run,
+                                        start_pipeline_run)
 from qad_pipeline.tracking.stale import mark_stale_runs
+from qad_pipeline.tracking.write import log_child
 from qad_pipeline.tracking.sweep import log_sweep
-from qad_pipeline.tracking.store import (
-    EXPERIMENT_PREFIX,
-    MODEL_SUFFIX,
-    check_reachable,
-    client_for,
-    ensure_experiment,
-    experiment_name,
-    git_commit,
-    registered_model_name,
-    tracking_uri,
-)
+from qad_pipeline.tracking.store import (EXPERIMENT_PREFIX, MODEL_SUFFIX, check_reachable, client_for,
+                                         ensure_experiment, experiment_name, git_commit, registered_model_name,
+                                         tracking_uri)
 
 __all__ = [
     "log_sweep",

@@ -1,8 +1,9 @@
 """What each stage's child run holds, read from the files the stage wrote (nothing logged here).
 
 One `ChildRun` per stage and recipe whose files exist: `calibration`, `baseline`, `ptq-<recipe>`,
-`selection`, `qad`, `final_eval`, `export`; each spans its stage process (`stage_span`), holds
-its result file and its log as artifacts, and ends FAILED with the tag `error` when it failed.
+`selection`, `qad`, `final_eval`, `export`, and for a run that swept first `sweep-<budget>` and
+`bpe_sweep`; each spans its stage process (`stage_span`), holds its result file and its log as
+artifacts, and ends FAILED with the tag `error` when it failed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import redact_text
 from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.export import ExportMetrics
@@ -24,8 +24,10 @@ from qad_pipeline.results.qad import QADMetrics, QADTraining
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
 from qad_pipeline.results.sweep import BPESweep
+from qad_pipeline.stages import with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import ci_metrics, number, numeric_leaves, pick, task_metrics
+from qad_pipeline.redaction import redact_text
 from qad_pipeline.tracking.store import ERROR
 
 if TYPE_CHECKING:
@@ -285,15 +287,61 @@ def ptq_child(layout: Layout, params: Params, recipe: str, row: RecipeRow | None
     return child
 
 
+# -- the BPE sweep's runs: one per budget (`sweep-<budget>`) and the curve's (`bpe_sweep`) -----------
+
+
+def sweep_children(layout: Layout, params: Params, sweep: BPESweep) -> list[ChildRun]:
+    """One child run per sweep point that ran."""
+    children = []
+    for point in sweep.points:
+        budget = str(point.budget)
+        folder = layout.sweep(budget)
+        scores = read_result(folder / "scores.json", PTQScores)
+        start_ms, end_ms = stage_span(layout, f"sweep-{budget}", folder / "scores.json")
+        searched = scores.auto_quantize
+        children.append(ChildRun(
+            name=f"sweep-{budget}", stage="sweep", start_ms=start_ms, end_ms=end_ms, recipe=point.name,
+            params={"budget": point.budget, "sweep.recipe": params.sweep.recipe, "method": searched.method,
+                    "formats": ",".join(searched.formats), "kv_cache": searched.kv_cache},
+            metrics={"budget": point.budget, "searched_effective_bits": point.searched_effective_bits,
+                     "effective_bpe": point.effective_bpe, "median_recovery": point.median_recovery,
+                     "median_recovery_ci_low": point.median_recovery_ci[0],
+                     "median_recovery_ci_high": point.median_recovery_ci[1], "kl_divergence": point.kl_divergence,
+                     "size_bytes": scores.size_bytes,
+                     **{f"layers.{fmt}": n for fmt, n in point.layers_by_format.items()}},
+            tags={"knee": str(point.name == sweep.knee.name).lower()},
+            dicts={"auto_quantize.json": dump_result(searched)},
+        ))
+    return children
+
+
+def knee_metrics(sweep: BPESweep) -> dict[str, float]:
+    """The knee's figures and the eval's noise, as metrics."""
+    knee = next((p for p in sweep.points if p.name == sweep.knee.name), None)
+    metrics = {"noise": sweep.noise}
+    if knee is not None:
+        metrics.update({"knee.budget": knee.budget, "knee.searched_effective_bits": knee.searched_effective_bits,
+                        "knee.effective_bpe": knee.effective_bpe, "knee.median_recovery": knee.median_recovery,
+                        "knee.kl_divergence": knee.kl_divergence})
+    return metrics
+
+
+def bpe_sweep_child(layout: Layout, sweep: BPESweep) -> ChildRun:
+    """The curve's stage run (`bpe_sweep`): the knee and its reason, `bpe_sweep.json`."""
+    start_ms, end_ms = stage_span(layout, "bpe_sweep", layout.bpe_sweep_metrics)
+    return ChildRun(name="bpe_sweep", stage="bpe_sweep", start_ms=start_ms, end_ms=end_ms,
+                    params={"knee_epsilon": sweep.knee_epsilon}, metrics=knee_metrics(sweep),
+                    tags={"knee": sweep.knee.name or "none", "knee.reason": sweep.knee.reason[:5000]},
+                    dicts={"bpe_sweep.json": dump_result(sweep)})
+
+
 def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     """One ChildRun per stage (and recipe) whose files exist, in pipeline order."""
     selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
     rows = {r.name: r for r in selection.table} if selection is not None else {}
     children = [stage_child(layout, params, "calibration"), stage_child(layout, params, "baseline")]
     children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
-    if params.selection.sweep != "none":  # the run swept first: a run per budget, and the curve's
-        from qad_pipeline.tracking.sweep import bpe_sweep_child, sweep_children
-
+    if with_sweep(params):  # the run swept first: a run per budget, and the curve's
         sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
         children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
     children += [stage_child(layout, params, s) for s in ("selection", "qad", "final_eval", "export")]

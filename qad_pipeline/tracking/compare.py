@@ -10,17 +10,8 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.config import ConfigError
 from qad_pipeline.report import aligned
 from qad_pipeline.redaction import redact_text
-from qad_pipeline.tracking.store import (
-    ERROR,
-    EXPERIMENT_PREFIX,
-    KIND,
-    LOGGED_AT,
-    PARENT,
-    RECIPE,
-    STAGE,
-    client_for,
-    experiment_name,
-)
+from qad_pipeline.tracking.store import (ERROR, EXPERIMENT_PREFIX, KIND, LOGGED_AT, PARENT, RECIPE, STAGE, client_for,
+                                         experiment_name)
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient

@@ -4,66 +4,26 @@ metrics, description) and one child run per stage and recipe, read from the file
 from __future__ import annotations
 
 import json
-import math
-import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
+from qad_pipeline.redaction import redact_text
 from qad_pipeline.report import read_summary, report_markdown, run_description
 from qad_pipeline.results.base import dump_result, read_result, write_result
 from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.run import TrackingRecord
 from qad_pipeline.results.scores import BaselineMetrics
 from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import STAGES, planned
+from qad_pipeline.stages import STAGES, planned, with_sweep
 from qad_pipeline.tracking.children import REASON_FILE, SHORT_REASON, ChildRun, read_children, result_file
-from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs
-from qad_pipeline.tracking.metrics import metric_key
-from qad_pipeline.tracking.stale import mark_stale_runs, process_tags
-from qad_pipeline.tracking.store import (COMPLETE, FLOW_RUN_ID, GIT_COMMIT, KIND, LOGGED_AT, NOTE, PARENT, RECIPE,
-                                         STAGE, STALE, artifact_location, client_for, ensure_experiment,
-                                         experiment_name, tracking_uri)
-
-if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
-    from mlflow import MlflowClient
+from qad_pipeline.tracking.stale import mark_stale_runs
+from qad_pipeline.tracking.store import NOTE, STALE, client_for, tracking_uri
+from qad_pipeline.tracking.write import end_quietly, log_batch, log_children, log_files, start_parent_run
 
 HEADLINE = ("median_recovery", "median_recovery_ci_low", "median_recovery_ci_high", "kl_divergence",
             "effective_bpe", "weight_error.median", "size_bytes")
-
-
-def _log_batch(client: MlflowClient, run_id: str, *, params: Mapping[str, Any] | None = None,
-               tags: Mapping[str, Any] | None = None, metrics: Mapping[str, float] | None = None,
-               timestamp_ms: int | None = None, steps: Iterable[tuple[str, float, int, int]] = ()) -> None:
-    """One log_batch; every param and tag value passes through redact. MLflow splits it into
-    batches within its limits and truncates param and tag values that are too long."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
-    p = [Param(k, redact(k, v)) for k, v in (params or {}).items()]
-    t = [RunTag(k, redact(k, v)) for k, v in (tags or {}).items() if v is not None]
-    m = [Metric(metric_key(k), float(v), ts, 0) for k, v in (metrics or {}).items()
-         if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    m += [Metric(metric_key(k), float(v), ms, step) for k, v, ms, step in steps]
-    client.log_batch(run_id, metrics=m, params=p, tags=t)
-
-
-def _log_files(client: MlflowClient, run_id: str, dicts: Mapping[str, Any], texts: Mapping[str, str]) -> None:
-    for name, data in dicts.items():
-        client.log_dict(run_id, redact_data(data), name)
-    for name, text in texts.items():
-        client.log_text(run_id, redact_text(text), name)
-
-
-def _end_quietly(client: MlflowClient, run_id: str, status: str) -> None:
-    """End a run after an error without hiding that error (the store may be what failed)."""
-    try:
-        client.set_terminated(run_id, status)
-    except Exception:  # noqa: BLE001 (left RUNNING: mark_stale_runs ends it later)
-        pass
 
 
 def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | None, git_commit: str | None,
@@ -73,33 +33,8 @@ def start_pipeline_run(layout: Layout, params: Params, *, flow_run_id: str | Non
     Call it when the flow starts to have the run visible while it runs, then hand its id to
     `log_pipeline(..., run_id=...)` at the end; `log_pipeline` calls it itself otherwise.
     """
-    from mlflow.tracking.context.git_context import GitRunContext
-    from mlflow.tracking.context.registry import resolve_tags
-
-    uri = uri or tracking_uri(layout.root)
-    client = client_for(uri)
-    exp_id = ensure_experiment(client, experiment_name(params.base_model.path), artifact_location(uri, layout.root))
-    start_ms = start_ms if start_ms is not None else int(time.time() * 1000)
-    name = "pipeline-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(start_ms / 1000))
-    run = client.create_run(exp_id, start_time=start_ms, run_name=name, tags={KIND: "pipeline", **process_tags()})
-    run_id = run.info.run_id
-    # Path and revision now; the content hash is tagged by `log_pipeline` from this run's baseline
-    # (a baseline.json already in the out root may belong to an earlier run and another model).
-    identity = {"path": params.base_model.path, "revision": params.base_model.revision}
-    # MLflow's run context (mlflow.user, mlflow.source.*), but the caller's git commit: MLflow's
-    # git context reads the entry script's repository and never says "-dirty".
-    tags = resolve_tags({
-        LOGGED_AT: f"{int(time.time() * 1000):015d}",
-        "qad.out_root": str(layout.root),
-        **{f"base_model.{k}": v for k, v in identity.items()},
-        FLOW_RUN_ID: flow_run_id,
-        GIT_COMMIT: git_commit,
-        "git_commit": git_commit,
-    }, ignore=[GitRunContext])
-    config = params.model_dump(mode="json")
-    _log_batch(client, run_id, params=flatten(config), tags=tags, timestamp_ms=start_ms)
-    client.log_dict(run_id, redact_data(config), "config/params.json")
-    return run_id
+    return start_parent_run(layout, params, kind="pipeline", prefix="pipeline-", flow_run_id=flow_run_id,
+                            git_commit=git_commit, uri=uri, start_ms=start_ms)
 
 
 def _checkpoint_identity(layout: Layout, params: Params) -> dict:
@@ -114,42 +49,6 @@ def _checkpoint_identity(layout: Layout, params: Params) -> dict:
         return checkpoint_identity(params.base_model)
     except ConfigError:
         return {"path": params.base_model.path, "revision": params.base_model.revision, "sha256": "unavailable"}
-
-
-def log_child(client: MlflowClient, experiment_id: str, parent_run_id: str, child: ChildRun) -> str:
-    """Log one ChildRun under the parent and end it with its status; returns its run id."""
-    tags = {PARENT: parent_run_id, KIND: "stage", STAGE: child.stage, **process_tags()}
-    if child.recipe:
-        tags[RECIPE] = child.recipe
-    run = client.create_run(experiment_id, start_time=child.start_ms, run_name=child.name, tags=tags)
-    run_id = run.info.run_id
-    try:
-        _log_batch(client, run_id, params=child.params, tags=child.tags, metrics=child.metrics,
-                   timestamp_ms=child.end_ms, steps=child.steps)
-        log_inputs(client, run_id, child.datasets)
-        _log_files(client, run_id, child.dicts, child.texts)
-    except BaseException:
-        _end_quietly(client, run_id, "FAILED")
-        raise
-    client.set_tag(run_id, COMPLETE, "true")
-    client.set_terminated(run_id, child.status, end_time=max(child.end_ms, child.start_ms))
-    return run_id
-
-
-def log_children(client: MlflowClient, parent: Any, children: list[ChildRun]) -> dict[str, str]:
-    """Log each child under `parent` once: a child an earlier, cut-short logging already logged
-    whole (tag `qad.complete`) is kept; one it left half-logged is deleted and logged again."""
-    before = {r.info.run_name: r for r in child_runs(client, parent)}
-    ids = {}
-    for child in children:
-        prior = before.get(child.name)
-        if prior is not None and prior.data.tags.get(COMPLETE) == "true":
-            ids[child.name] = prior.info.run_id
-            continue
-        if prior is not None:
-            client.delete_run(prior.info.run_id)
-        ids[child.name] = log_child(client, parent.info.experiment_id, parent.info.run_id, child)
-    return ids
 
 
 def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str, float]:
@@ -244,7 +143,7 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             sel = by_stage["selection"]
             tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
                          "qad.runner_up": sel.tags.get("runner_up"), "qad.selection.reason": sel.tags["reason"]})
-            _log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
+            log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
                        {REASON_FILE: sel.texts[REASON_FILE]})
         metrics = headline_metrics(children, tags.get("qad.selected"))
         tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
@@ -256,14 +155,14 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
             client.log_text(run_id, redact_text(report), "report.txt")
         pareto = layout.bpe_plot  # the BPE sweep's, when the run swept first
         for png in [*sorted((layout.metrics / "plots").glob("*.png")),
-                    *([pareto] if params.selection.sweep != "none" and pareto.is_file() else [])]:
+                    *([pareto] if with_sweep(params) and pareto.is_file() else [])]:
             client.log_artifact(run_id, str(png), "plots")
         end_ms = max([c.end_ms for c in children] + [parent.info.start_time or 0])
-        _log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
+        log_batch(client, run_id, tags=tags, metrics=metrics, timestamp_ms=end_ms)
         if STALE in parent.data.tags:  # ended by mark_stale_runs while its logging was cut short: complete now
             client.delete_tag(run_id, STALE)
-    except BaseException:
-        _end_quietly(client, run_id, "FAILED")
+    except BaseException as err:
+        end_quietly(client, run_id, "FAILED", err)
         raise
     client.set_terminated(run_id, status or derived_status, end_time=end_ms)
     return run_id

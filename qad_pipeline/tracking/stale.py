@@ -7,15 +7,7 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from qad_pipeline.tracking.store import (
-    EXPERIMENT_PREFIX,
-    HOST,
-    KIND,
-    PID,
-    PID_STARTED,
-    STALE,
-    client_for,
-)
+from qad_pipeline.tracking.store import EXPERIMENT_PREFIX, HOST, KIND, PID, PID_STARTED, STALE, client_for
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient

@@ -25,8 +25,15 @@ MLFLOW_PROBE = "/api/2.0/mlflow/experiments/search?max_results=1"  # the cheapes
 DEFAULT_DB_PORTS = {"postgresql": 5432, "postgres": 5432, "mysql": 3306, "mssql": 1433}
 DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "psycopg": "psycopg[binary]", "pymysql": "PyMySQL"}
 
+# MLflow 3's UI opens an experiment on the GenAI "Overview" (traces) unless its tag
+# mlflow.experimentKind says "custom_model_development" (the UI's "Machine learning": the runs
+# table); the key and values are the UI's (mlflow/server/js: ExperimentKind), MLflow's Python API has
+# no constant for them.
+EXPERIMENT_KIND = "mlflow.experimentKind"
+MODEL_DEVELOPMENT = "custom_model_development"
+
 # tags this package sets
-KIND = "qad.kind"  # "pipeline" (parent) or "stage" (child)
+KIND = "qad.kind"  # "pipeline" or "sweep" (parents), "stage" (child)
 STAGE = "qad.stage"
 RECIPE = "qad.recipe"
 HOST = "qad.host"
@@ -40,6 +47,7 @@ NOTE = "mlflow.note.content"
 FLOW_RUN_ID = "prefect.flow_run_id"
 COMPLETE = "qad.complete"  # set last on a child run: everything it holds is logged
 STALE = "qad.stale"  # why mark_stale_runs ended a run
+LOGGING_ERROR = "qad.logging_error"  # why logging a run failed part-way (the run ended FAILED)
 
 
 def git_commit() -> str | None:
@@ -183,17 +191,21 @@ def artifact_location(uri: str, root: Path) -> str | None:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_location: str | None = None) -> str:
-    """The id of experiment `name`, created (or restored from deletion) when needed."""
+    """The id of experiment `name`, created (or restored from deletion) when needed, and marked as
+    model development (`mlflow.experimentKind`) unless it already has a kind."""
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
-            return client.create_experiment(name, artifact_location=artifact_location)
+            return client.create_experiment(name, artifact_location=artifact_location,
+                                            tags={EXPERIMENT_KIND: MODEL_DEVELOPMENT})
         except MlflowException:  # created meanwhile by another process
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
+    if EXPERIMENT_KIND not in exp.tags:  # made before the kind was set, or by someone else
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, MODEL_DEVELOPMENT)
     return exp.experiment_id
