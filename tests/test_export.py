@@ -35,6 +35,7 @@ def nvfp4_layer(tensors):
                 and t.dtype == torch.uint8)
 
 
+@pytest.mark.slow
 def test_real_export_passes_all_checks(exported):
     e = exported
     assert check_formats(e["expected"]["layer_formats"], e["tensors"], e["config"])["passed"]
@@ -45,6 +46,7 @@ def test_real_export_passes_all_checks(exported):
     assert e["expected"]["layer_formats"]["lm_head.weight"] == "nvfp4"
 
 
+@pytest.mark.slow
 def test_formats_check_catches_nvfp4_silently_stored_as_bf16(exported):
     e = exported
     tensors = dict(e["tensors"])
@@ -56,6 +58,7 @@ def test_formats_check_catches_nvfp4_silently_stored_as_bf16(exported):
     assert any("lm_head" in p and "expected nvfp4, exported as bf16" in p for p in result["problems"])
 
 
+@pytest.mark.slow
 def test_formats_check_catches_config_naming_layers_that_do_not_exist(exported):
     e = exported
     config = {"quantization": {"quantized_layers": {"model.layers.0.mixer.in_proj.\x00backbone.pt_name_sentinel":
@@ -64,6 +67,7 @@ def test_formats_check_catches_config_naming_layers_that_do_not_exist(exported):
     assert not result["passed"] and "does not hold" in result["problems"][0]
 
 
+@pytest.mark.slow
 def test_size_check_catches_a_checkpoint_bigger_than_the_recipe(exported):
     e = exported
     tensors = dict(e["tensors"])
@@ -73,6 +77,7 @@ def test_size_check_catches_a_checkpoint_bigger_than_the_recipe(exported):
     assert not result["passed"] and result["relative_difference"] > 0.01
 
 
+@pytest.mark.slow
 def test_reload_check_catches_wrong_scales(exported):
     e = exported
     tensors = dict(e["tensors"])
@@ -81,6 +86,7 @@ def test_reload_check_catches_wrong_scales(exported):
     assert not check_reload(e["layout"].export, tensors, e["reference"], e["batch"], e["noise"], e["quantization_kl"])["passed"]
 
 
+@pytest.mark.slow
 def test_lint_names_an_expert_with_zero_scales_and_a_nan_input_scale(exported):
     """The NVFP4 failures users report: an MoE expert calibration never routed to, exported with zero
     scales (NaN in vLLM), and an input scale that is not finite; each is one line naming the tensor."""
@@ -96,6 +102,7 @@ def test_lint_names_an_expert_with_zero_scales_and_a_nan_input_scale(exported):
     assert any(p.startswith(f"{inputs}: ") for p in result["problems"])
 
 
+@pytest.mark.slow
 def test_lint_names_an_input_scale_other_than_the_calibrated_one(exported):
     e = exported
     module, scale = next(iter(e["input_scales"].items()))  # NemotronH: model.* in memory, backbone.* exported
@@ -107,6 +114,7 @@ def test_lint_names_an_input_scale_other_than_the_calibrated_one(exported):
         f"{name}: {scale * 2:.6g}, the student's calibrated scale is {scale:.6g}"]
 
 
+@pytest.mark.slow
 def test_export_target_holding_another_checkpoint_is_refused(exported, tmp_path):
     check_target(exported["layout"].export, read_json(exported["layout"].export / "export_manifest.json")["source"])
     with pytest.raises(ConfigError, match="holds a different checkpoint"):

@@ -27,6 +27,7 @@ def run_overrides(run):
     return run[3]
 
 
+@pytest.mark.slow
 def test_metrics_contract(run):
     _, layout, _, _ = run
     baseline = read_json(layout.baseline_metrics)
@@ -59,6 +60,7 @@ def test_every_result_file_matches_its_model(run):
     assert dump_result(RunSummary.model_validate(summary)) == json.loads(json.dumps(summary))
 
 
+@pytest.mark.slow
 def test_broken_recipe_fails_alone(run):
     summary, layout, _, _ = run
     assert read_json(layout.ptq_metrics(BROKEN))["status"] == "failed"
@@ -67,6 +69,7 @@ def test_broken_recipe_fails_alone(run):
     assert [r["status"] for r in summary["recipes"] if r["name"] == BROKEN] == ["failed"]
 
 
+@pytest.mark.slow
 def test_recipes_ran_concurrently(run):
     _, layout, _, _ = run
     spans = [read_json(layout.ptq(n) / "scores.json") for n in GOOD]
@@ -74,12 +77,14 @@ def test_recipes_ran_concurrently(run):
     assert a0 < b1 and b0 < a1, "the two PTQ processes did not overlap in time"
 
 
+@pytest.mark.slow
 def test_recipe_table_published_as_prefect_artifact(run):
     _, _, prefect, _ = run
     keys = {a.key for a in prefect["artifacts"]}
     assert {"recipe-table-demo-model", "qad-pipeline-report-demo-model", "mlflow-run-demo-model"} <= keys, keys
 
 
+@pytest.mark.slow
 def test_prefect_graph_has_the_dag_edges(run):
     """The task runs' upstream dependencies, as Prefect's API records them (the UI draws these), are
     the registry's `Stage.after`: every task run of each stage it names, in this run."""
@@ -100,6 +105,7 @@ def test_prefect_graph_has_the_dag_edges(run):
     assert upstream["export"] == {"selection", "final_eval"}
 
 
+@pytest.mark.slow
 def test_qad_and_export_ran(run):
     summary, layout, _, _ = run
     qad = read_json(layout.qad_metrics)
@@ -117,6 +123,7 @@ def test_qad_and_export_ran(run):
     assert summary["export"]["size_ratio"] > 1.5
 
 
+@pytest.mark.slow
 def test_mlflow_holds_the_run_and_compare_prints_it(run):
     from mlflow import MlflowClient
     from typer.testing import CliRunner
@@ -144,6 +151,7 @@ def test_mlflow_holds_the_run_and_compare_prints_it(run):
     assert GOOD[0] in result.output and "qad" in result.output
 
 
+@pytest.mark.slow
 def test_plots_drawn_and_logged(run):
     from mlflow import MlflowClient
 

@@ -30,6 +30,7 @@ def llama_dir(tmp_path_factory, demo_model_path):
     return folder
 
 
+@pytest.mark.slow
 def test_most_aggressive_recipe_on_a_llama(llama_dir, tmp_path, capsys):
     recipe = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
     params = load_params(overrides=TINY + [f"base_model.path={llama_dir}", "eval.tasks=[heldout_continuation]"])

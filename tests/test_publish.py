@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from flows import publish
 from qad_pipeline import tracking
 from qad_pipeline.config import PROJECT_PARAMS, load_params
@@ -40,6 +42,7 @@ def test_pipeline_tasks_have_fixed_run_names(tmp_path):
         assert task.task_run_name == (f"{stage}-r1" if STAGES[stage].per_recipe else stage)
 
 
+@pytest.mark.slow
 def test_flow_run_is_tagged_and_linked_and_artifacts_are_keyed_per_model(tmp_path, monkeypatch):
     from prefect import flow
     from prefect.client.orchestration import get_client

@@ -34,6 +34,7 @@ def copy_of_run(pipeline_run, tmp_path):
     return Layout(root), overrides
 
 
+@pytest.mark.slow
 def test_killed_qad_resumes_from_its_checkpoint(copy_of_run):
     layout, overrides = copy_of_run
     # float32: bf16 autocast is several times slower on a CPU without native bf16 (what is tested here is resume)
