@@ -21,7 +21,8 @@ from qad_pipeline.results.selection import RecipeRow
 from qad_pipeline.tracking.children import ptq_child
 from tests import samples
 from tests.tracking_fakes import (AWS_SECRET, BROKEN, GOOD, HF_TOKEN, RECIPES, SPANS, build_layout, children, fp,
-                                  logged_store, make_params, markdown_tables, settings_of, task_scores, touch)
+                                  logged_run_files, logged_store, make_params, markdown_tables, settings_of,
+                                  task_scores, touch)
 
 
 @pytest.fixture(scope="module")
@@ -218,11 +219,7 @@ def test_an_alias_recipe_run_has_the_metrics_of_the_recipe_it_equals_and_no_dura
 
 def test_a_logging_cut_short_is_completed_and_nothing_is_logged_twice(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    model_dir = tmp_path / "base-model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    params = make_params(tmp_path, model_dir)
-    layout = build_layout(tmp_path, params, time.time() - 600)
+    params, layout = logged_run_files(tmp_path)
     uri = tracking.tracking_uri(tmp_path)
     client = MlflowClient(uri, uri)
     run_id = tracking.start_pipeline_run(layout, params, flow_run_id="flow", git_commit="0" * 40)

@@ -15,7 +15,7 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.stages import with_sweep
 from qad_pipeline.tracking import sweep as tracking_sweep
 from qad_pipeline.tracking import write as tracking_write
-from tests.tracking_fakes import BROKEN, GOOD, build_layout, children, make_params, write_sweep
+from tests.tracking_fakes import BROKEN, GOOD, children, logged_run_files, write_sweep
 
 
 def sweep_params(root: Path):
@@ -98,11 +98,7 @@ def test_a_parent_run_whose_start_fails_part_way_ends_failed(store, monkeypatch)
 
 def test_a_run_without_budgets_logs_no_sweep_though_an_old_one_is_on_disk(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    model_dir = tmp_path / "base-model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    params = make_params(tmp_path, model_dir)
-    layout = build_layout(tmp_path, params, time.time() - 600)
+    params, layout = logged_run_files(tmp_path)
     write_sweep(layout, params, time.time() - 7200)  # an earlier `qad-pipeline sweep`'s files
     swept = params.model_copy(update={"selection": params.selection.model_copy(update={"sweep": "knee"})})
     assert with_sweep(swept)  # budgets and selection.sweep: the sweep's runs are read

@@ -87,6 +87,15 @@ def lengthen_reason(layout: Layout) -> None:
     write_result(layout.selection_metrics, sel)
 
 
+def logged_run_files(root: Path):
+    """A finished run's files under `root` (its base model a folder with a Llama config): (params, layout)."""
+    model_dir = root / "base-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    params = make_params(root, model_dir)
+    return params, build_layout(root, params, time.time() - 600)
+
+
 def make_params(root: Path, model_dir: Path):
     """params.yaml with the test's model, recipes (two real ones and a broken one) and two secrets:
     the HF token as the model revision, the AWS secret as the calibration dataset config. The
