@@ -59,6 +59,7 @@ def test_killed_qad_resumes_from_its_checkpoint(copy_of_run):
     assert not layout.qad_checkpoints.exists()  # a finished run leaves no checkpoint to resume
 
 
+@pytest.mark.slow
 def test_student_of_another_model_is_refused(copy_of_run, tmp_path):
     layout, overrides = copy_of_run
     params = load_params(overrides=overrides)
@@ -72,6 +73,7 @@ def test_student_of_another_model_is_refused(copy_of_run, tmp_path):
         run_qad(params, student, layout.data, tmp_path / "qad", tmp_path / "ckpt")
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_the_step(copy_of_run, tmp_path):
     layout, overrides = copy_of_run
     params = load_params(overrides=overrides + ["qad.lr=1e30", "qad.warmup_steps=0", "qad.steps=6"])
@@ -90,6 +92,7 @@ def test_schedules():
     assert const(0) == const(7) == 1.0
 
 
+@pytest.mark.slow
 def test_bf16_autocast_and_gradient_checkpointing(copy_of_run, tmp_path):
     """bf16 autocast starts within a few percent of float32; gradient checkpointing changes nothing."""
     layout, overrides = copy_of_run
