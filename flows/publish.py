@@ -92,7 +92,6 @@ def start_tracking(layout: Layout, params) -> str | None:
         return None
 
 
-
 def track(layout: Layout, params, report: str, parent_run: str | None, export_metrics: dict | None,
           status: str | None = None) -> dict:
     """Log the run's files to MLflow and register the export; on failure, say how to log later

@@ -38,7 +38,6 @@ from qad_pipeline.stages import STAGES, Stage, fill
 _ptq_slots: dict[int, threading.Semaphore] = {}
 
 
-
 @dataclass(frozen=True)
 class Job:
     """What every stage task of one flow run shares: where its params are and where it writes."""
@@ -52,7 +51,6 @@ class Job:
     threads: int = 1  # CPU threads per PTQ process
 
 
-
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
     """The values of dotted params keys (`eval`, `ptq.recipe_dir`) out of a params dump."""
     picked = {}
@@ -64,7 +62,6 @@ def _picked(data: dict, keys: tuple[str, ...]) -> dict:
     return picked
 
 
-
 def _declared_path(template: str, params, layout: Layout, recipe: str | None) -> Path:
     """A registry path: `${section.key}` paths are the params file's (relative to its folder), the
     others the out-root's."""
@@ -73,7 +70,6 @@ def _declared_path(template: str, params, layout: Layout, recipe: str | None) ->
         return layout.root / path
     values = params.model_dump()
     return resolve(re.sub(r"\$\{([\w.]+)\}", lambda m: str(_picked(values, (m[1],))[m[1]]), path))
-
 
 
 def stage_cache_key(context, arguments: dict[str, Any]) -> str:
@@ -95,11 +91,9 @@ def stage_cache_key(context, arguments: dict[str, Any]) -> str:
     return f"{stage.run_name(recipe)}-{digest.hexdigest()[:32]}"
 
 
-
 def outputs_present(stage: Stage, layout: Layout, recipe: str | None) -> bool:
     """The files a cached result points at are still there (else it must run again)."""
     return all((layout.root / fill(p, recipe)).exists() for p in stage.done)
-
 
 
 def route(stage: str, item: str | None, job: Job) -> tuple[str | None, dict]:
@@ -140,11 +134,9 @@ def stage_task(job: Job, stage: str, recipe: str | None = None):
     return run_stage.with_options(**options)
 
 
-
 def submit(job: Job, stage: str, recipe: str | None = None, after: list | None = None) -> PrefectFuture:
     """Submit one stage's task run, waiting for `after` (its edges in the Prefect graph)."""
     return stage_task(job, stage, recipe).submit(stage, recipe, job, wait_for=after or [])
-
 
 
 def submit_stages(job: Job, runs: list[tuple[Stage, str | None]],
@@ -197,7 +189,6 @@ def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:
     return (run.end_time - run.start_time).total_seconds() if run.start_time and run.end_time else 0.0
 
 
-
 def cancel_pool_runs(why: str) -> int:
     """Cancel the flow runs this run started on pools (`run_on_pool`) that have not ended; how many.
 
@@ -226,7 +217,6 @@ def cancel_pool_runs(why: str) -> int:
     return len(running)
 
 
-
 def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: dict[str, Any] | None) -> list[str]:
     """The flow's typed parameters as `section.key=value` overrides of params.yaml."""
     items = [f"base_model.path={base_model}"] if base_model else []
@@ -236,7 +226,6 @@ def parameter_overrides(base_model: str | None, recipes: list[str] | None, qad: 
     return items
 
 
-
 def stop_everything(err: BaseException) -> None:
     """A stopped run (SIGTERM, a Prefect cancel, Ctrl-C): cancel its flow runs on pools, stop its
     stage processes."""
@@ -244,7 +233,6 @@ def stop_everything(err: BaseException) -> None:
     stopped = processes.stop_all()
     get_run_logger().warning("stopped (%s): %d stage process(es) stopped, %d flow run(s) on pools cancelled",
                              type(err).__name__, len(stopped), cancelled)
-
 
 
 @contextmanager
@@ -264,7 +252,6 @@ def holding_outputs(params, layout: Layout):
                 os.environ.pop(TOKEN_ENV, None)
             else:
                 os.environ[TOKEN_ENV] = previous
-
 
 
 def base_model_slot(params):
@@ -295,12 +282,10 @@ def base_model_slot(params):
     return concurrency(name, occupy=1, strict=True, raise_on_lease_renewal_failure=False)
 
 
-
 def flow_run_name() -> str | None:
     from prefect.runtime import flow_run
 
     return flow_run.name
-
 
 
 def flow_run_id() -> str | None:

@@ -221,7 +221,6 @@ def tied_embeddings(model) -> bool:
     return head is not None and embed is not None and head.weight is embed.weight
 
 
-
 def save_quantized(model, tokenizer, folder: Path) -> None:
     """Save with quantizer state so `load_model` + Model Optimizer restore it without recalibrating."""
     import modelopt.torch.opt as mto

@@ -15,11 +15,9 @@ def pyplot():
     return plt
 
 
-
 def new_figure(size=(6, 4)):
     plt = pyplot()
     return plt, *plt.subplots(figsize=size, dpi=100)
-
 
 
 def save_figure(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -> Path:
@@ -31,7 +29,6 @@ def save_figure(plt, fig, ax, out: Path, xlabel: str, ylabel: str, title: str) -
     fig.savefig(out, bbox_inches="tight")
     plt.close(fig)
     return out
-
 
 
 def spread_labels(ax, texts) -> None:
@@ -48,7 +45,6 @@ def spread_labels(ax, texts) -> None:
             x, y = text.xyann
             text.xyann = (x, y + (clash.y1 - box.y0) * 72 / fig.dpi + 1)  # offset points
         placed.append(text.get_window_extent(renderer))
-
 
 
 def bpe_sweep_plot(sweep, out: Path) -> Path:

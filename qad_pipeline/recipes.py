@@ -30,7 +30,6 @@ def load_quantize_config(recipe_path: Path):
     return quantize
 
 
-
 def check_recipe(recipe_path: Path, base_model=None) -> None:
     """Load and validate one recipe file as `run_ptq` will, before any work: a `ConfigError` naming the
     file and its problem (invalid YAML, not a PTQ recipe, a format or field Model Optimizer rejects).
@@ -60,7 +59,6 @@ def check_recipe(recipe_path: Path, base_model=None) -> None:
         raise ConfigError(f"recipe {recipe_path}: not a valid Model Optimizer PTQ recipe: {problem}") from None
 
 
-
 def quantize_config(model, recipe_path: Path) -> dict:
     """The recipe's Model Optimizer config for this model.
 
@@ -72,7 +70,6 @@ def quantize_config(model, recipe_path: Path) -> dict:
     if tied_embeddings(model):
         config["quant_cfg"] = [*config["quant_cfg"], {"quantizer_name": "*lm_head*", "enable": False}]
     return config
-
 
 
 def quantizer_signature(params: Params, recipe: str) -> str:
@@ -98,7 +95,6 @@ def quantizer_signature(params: Params, recipe: str) -> str:
     quantizers = {name: repr(m) for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
     blob = json.dumps([config.get("algorithm"), quantizers], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
-
 
 
 def recipe_aliases(params: Params, upto: str | None = None) -> dict[str, str]:

@@ -21,7 +21,6 @@ class Result:
     note: str = ""
 
 
-
 class Check:
     """Runs stages one after another: wall time, peak GPU memory, pass/fail, time budget."""
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 from qad_pipeline.results.base import Strict
 
 
