@@ -109,15 +109,17 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
     futures = submit_stages(job, [run for run in runs if not run[0].after_selection])
     wait([f for items in futures.values() for f in items.values()])
     up_to_selection = time.time() - started
+    log_states(futures, logger)  # before QAD starts: what failed alone and what came from the cache
     fail_on_required(futures)
     chosen = read_result(job.layout.selection_metrics, SelectionResult)
     publish_recipe_table(params, read_summary(job.layout, params))  # on show while QAD runs
     if chosen.selected is not None:  # QAD and final_eval with policy qad; the export of whatever is final
-        futures = submit_stages(job, [run for run in runs if run[0].after_selection], futures)
-        for declared, _ in (run for run in runs if run[0].after_selection):
+        later = [run for run in runs if run[0].after_selection]
+        futures = submit_stages(job, later, futures)
+        for declared, _ in later:
             futures[declared.name][None].result()  # in order: the first failure fails the flow
+        log_states({declared.name: futures[declared.name] for declared, _ in later}, logger)
     states = {(name, item): f.state for name, items in futures.items() for item, f in items.items()}
-    log_states(futures, logger)
     ran = [key for key, state in states.items() if state.is_completed()]
     seconds = {STAGES[name].summary_key(item): futures[name][item].result() for name, item in ran}
     seconds.update({"up to selection (wall)": up_to_selection, "run (wall)": time.time() - started})

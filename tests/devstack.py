@@ -190,10 +190,12 @@ class LocalPrefect:
 
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+        only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))]))
+        messages: list[str] = []
         with self.client() as client:
-            rows = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))])),
-                                    limit=200)
-        return [row.message for row in rows]
+            while page := client.read_logs(log_filter=only, limit=200, offset=len(messages)):  # every page
+                messages += [row.message for row in page]
+        return messages
 
 
 class LocalMLflow:
