@@ -119,6 +119,7 @@ def bare(root: Path, recipe: str, out: Path) -> dict:
     t0 = time.perf_counter()
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     specs = []
     for name in ev["tasks"]:
@@ -126,8 +127,8 @@ def bare(root: Path, recipe: str, out: Path) -> dict:
         cfg["dataset_kwargs"] = {"data_files": {cfg.get("test_split", "test"): str(data / "eval" / f"{name}.jsonl")}}
         specs.append(cfg)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=ev["batch_size"], device=str(model.device))
-    out_eval = simple_evaluate(model=lm, tasks=specs, limit=ev["limit"], log_samples=False, bootstrap_iters=0,
-                               verbosity="WARNING")
+    out_eval = simple_evaluate(model=lm, tasks=specs, task_manager=TaskManager(include_defaults=False),
+                               limit=ev["limit"], log_samples=False, bootstrap_iters=0, verbosity="WARNING")
     phases["lm_eval"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

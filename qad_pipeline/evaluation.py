@@ -74,6 +74,7 @@ def primary_score(task: str, results: dict, higher: dict, metric_order: list[str
 def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict[str, dict]:
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     task_dir = resolve(params.task_dir)
     specs, metric_orders = [], {}
@@ -81,12 +82,16 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
         cfg = project_task_config(name, task_dir, eval_dir)
         specs.append(cfg if cfg is not None else name)
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
+    # lm-eval's registry is indexed (~9 s, ~15,000 YAML files) only for a task of its own: the
+    # project's tasks come as whole configs
+    registry = TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs))
     from qad_pipeline.modeling import input_device
 
     # lm-eval takes the model where it is (a spread model's inputs go to its first device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
     out = simple_evaluate(
-        model=lm, tasks=specs, limit=params.limit, log_samples=True, bootstrap_iters=0, verbosity="WARNING"
+        model=lm, tasks=specs, task_manager=registry, limit=params.limit, log_samples=True, bootstrap_iters=0,
+        verbosity="WARNING",
     )
     scores = {}
     for name in params.tasks:

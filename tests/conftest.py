@@ -1,7 +1,14 @@
-"""Shared fixtures: the bundled demo model and one tiny run of the whole flow."""
+"""Shared fixtures: the bundled demo model and one tiny run of the whole flow.
+
+The suite runs on two workers (`python -m pytest -q -n 2 --dist loadfile`, pytest-xdist): each
+test file on one worker, so a module's fixtures run once; `pipeline_run`, which tests in several
+files read, runs once for the session, by whichever worker asks first (the other waits for it).
+"""
 
 import os
+import pickle
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -31,18 +38,41 @@ def demo_model_path():
     return DEMO_MODEL
 
 
+def pytest_collection_modifyitems(items):
+    """A test on the session's flow run is slow, whatever its file says."""
+    for item in items:
+        if "pipeline_run" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory, demo_model_path):
     """The qad-pipeline flow, run once: two real recipes and a broken one, then QAD and export.
 
     Returns (summary, layout, overrides, {"artifacts": Prefect's latest artifacts, "task_runs": its task runs}).
+    The run's folder is shared by every test (and every pytest-xdist worker): a test that changes
+    a run works on a copy of it.
     """
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's folder
+    kept = shared / "pipeline_run.pickle"
+    with FileLock(str(shared / "pipeline_run.lock")):
+        if not kept.is_file():
+            kept.write_bytes(pickle.dumps(_run_the_flow(shared / "pipeline_run")))
+    summary, root, overrides, prefect = pickle.loads(kept.read_bytes())
+    return summary, Layout(Path(root)), overrides, prefect
+
+
+def _run_the_flow(root: Path) -> tuple:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.pipeline import qad_pipeline
 
-    root = tmp_path_factory.mktemp("run")
+    shutil.rmtree(root, ignore_errors=True)  # a failed attempt of this session's
+    root.mkdir()
     recipes = root / "recipes"
     recipes.mkdir()
     for name in GOOD_RECIPES:
@@ -55,4 +85,4 @@ def pipeline_run(tmp_path_factory, demo_model_path):
         summary = qad_pipeline(params_file=str(PROJECT_ROOT / "params.yaml"), overrides=overrides, out_root=str(root))
         with get_client(sync_client=True) as client:
             prefect = {"artifacts": client.read_latest_artifacts(), "task_runs": client.read_task_runs()}
-    return summary, Layout(root), overrides, prefect
+    return summary, str(root), overrides, prefect

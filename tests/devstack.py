@@ -115,20 +115,24 @@ class LocalPrefect:
         return self._start(name, ["prefect", "worker", "start", "--pool", pool, "--type", "process",
                                   "--name", name, "--limit", str(limit)], env)
 
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+    def stop(self, *names: str) -> None:
+        """SIGTERM to each process group at once; SIGKILL to what is still there 20 s later."""
+        procs = [self.procs.pop(name) for name in names]
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.time() + 20
+        for proc in procs:
             try:
-                proc.wait(20)
+                proc.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
     def close(self) -> None:
-        for name in [n for n in self.procs if n != "server"] + ["server"]:
-            if name in self.procs:
-                self.stop(name)
+        self.stop(*[n for n in self.procs if n != "server"])  # the workers first, then their server
+        if "server" in self.procs:
+            self.stop("server")
 
     def __enter__(self) -> LocalPrefect:
         return self.start()
@@ -184,18 +188,27 @@ class LocalPrefect:
                 events += page.events
         return [e.model_dump(mode="json") for e in events]
 
-    def logs(self, flow_run_id: str) -> list[str]:
-        """The log messages Prefect stored for a flow run (its tasks' included)."""
+    def logs(self, flow_run_id: str, until: str | None = None, timeout: float = 60) -> str:
+        """The log messages Prefect stored for a flow run (its tasks' included), one per line.
+
+        A run's process ships its logs in batches and sends the last ones after its final state,
+        so a finished run's last lines can still be on the way: with `until`, wait for that text.
+        """
         from uuid import UUID
 
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
         only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(str(flow_run_id))]))
-        messages: list[str] = []
-        with self.client() as client:
-            while page := client.read_logs(log_filter=only, limit=200, offset=len(messages)):  # every page
-                messages += [row.message for row in page]
-        return messages
+        deadline = time.time() + timeout
+        while True:
+            messages: list[str] = []
+            with self.client() as client:
+                while page := client.read_logs(log_filter=only, limit=200, offset=len(messages)):  # every page
+                    messages += [row.message for row in page]
+            text = "\n".join(messages)
+            if until is None or until in text or time.time() > deadline:
+                return text
+            time.sleep(1)
 
 
 class LocalMLflow:

@@ -188,14 +188,14 @@ def test_killed_recipe_run_is_reported_and_rerun_takes_the_survivor_from_cache(s
     assert second.state.is_completed(), second.state.message  # selection went on with the survivor
     crashed = recipe_runs(stack, parent)[victim]
     assert crashed.state.name == "Crashed", crashed.state
-    logs = "\n".join(stack.logs(parent))
+    logs = stack.logs(parent, until=f"PTQ failed for {victim}")
     assert f"PTQ failed for {victim}" in logs and "Crashed" in logs
     assert survivor not in recipe_runs(stack, parent)  # taken from cache: no flow run at all
 
     third = stack.wait(stack.run("qad-pipeline/default", args))
     assert third.state.is_completed()
     assert set(recipe_runs(stack, third.id)) == {victim}  # only the missing recipe runs again
-    logs = "\n".join(stack.logs(third.id))
+    logs = stack.logs(third.id, until=f"PTQ taken from cache (inputs unchanged): {survivor}")
     assert f"PTQ taken from cache (inputs unchanged): {survivor}" in logs
     assert "PTQ failed" not in logs
 
@@ -223,7 +223,7 @@ def test_cancelled_run_stops_its_recipe_runs_and_the_same_run_resumes(stack, tmp
     again = stack.wait(stack.run("qad-pipeline/default", args))
     assert again.state.is_completed(), again.state.message
     assert set(recipe_runs(stack, again.id)) == set(GOOD_RECIPES) - set(finished)  # only the cancelled ones run
-    logs = "\n".join(stack.logs(again.id))
+    logs = stack.logs(again.id, until="baseline taken from cache (inputs unchanged)")
     assert "baseline taken from cache (inputs unchanged)" in logs
     if finished:
         assert f"PTQ taken from cache (inputs unchanged): {', '.join(finished)}" in logs
@@ -248,4 +248,5 @@ def test_server_restart_mid_run_leaves_no_run_unfinished_and_the_rerun_takes_sur
     assert again.state.is_completed(), again.state.message
     assert set(recipe_runs(stack, again.id)) == set(GOOD_RECIPES) - set(survivors)
     if survivors:
-        assert f"PTQ taken from cache (inputs unchanged): {', '.join(survivors)}" in "\n".join(stack.logs(again.id))
+        cached = f"PTQ taken from cache (inputs unchanged): {', '.join(survivors)}"
+        assert cached in stack.logs(again.id, until=cached)
