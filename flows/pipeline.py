@@ -39,7 +39,8 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.publish import link_tracking, publish_recipe_table, publish_report, start_tracking, track
-from flows.runtime import Job, holding_outputs, parameter_overrides, start_job, stop_everything, submit_stages
+from flows.runtime import (Job, fail_on_required, holding_outputs, parameter_overrides, start_job, stop_everything,
+                           submit_stages)
 from flows.stages import StageFailed
 from qad_pipeline import versioning
 from qad_pipeline.run_plots import write_plots
@@ -110,7 +111,7 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
     wait([f for items in futures.values() for f in items.values()])
     up_to_selection = time.time() - started
     log_states(futures, logger)  # before QAD starts: what failed alone and what came from the cache
-    fail_on_required(futures)
+    fail_on_required(futures, lambda declared: not declared.may_fail and not declared.sweep)
     chosen = read_result(job.layout.selection_metrics, SelectionResult)
     publish_recipe_table(params, read_summary(job.layout, params))  # on show while QAD runs
     if chosen.selected is not None:  # QAD and final_eval with policy qad; the export of whatever is final
@@ -144,12 +145,3 @@ def log_states(futures, logger) -> None:
                            f" for {', '.join(failed)}" if any(failed) else "")
         if cached:
             logger.info("%s taken from cache (inputs unchanged)%s", label, f": {', '.join(cached)}" if any(cached) else "")
-
-
-def fail_on_required(futures) -> None:
-    """Raise the error of the first stage (in registry order) that failed and may not fail alone."""
-    for name, items in futures.items():
-        for future in items.values():
-            if not STAGES[name].may_fail and not STAGES[name].sweep and not future.state.is_completed():
-                future.result()  # raises the stage's own error (StageFailed)
-                raise StageFailed(f"{name}: {future.state.name}")

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,17 @@ def submit_stages(job: Job, runs: list[tuple[Stage, str | None]],
                     for name in declared.after for f in futures.get(name, {}).values()]
         futures.setdefault(declared.name, {})[item] = submit(job, declared.name, item, after=upstream)
     return futures
+
+
+def fail_on_required(futures: dict[str, dict[str | None, PrefectFuture]], required: Callable[[Stage], bool]) -> None:
+    """Raise the error of the first stage (in registry order) that failed and that `required` says
+    may not fail alone (the pipeline's: all but a recipe and the sweep's stages; the sweep's: all
+    but a budget's point)."""
+    for name, items in futures.items():
+        for future in items.values():
+            if required(STAGES[name]) and not future.state.is_completed():
+                future.result()  # raises the stage's own error (StageFailed)
+                raise StageFailed(f"{name}: {future.state.name}")
 
 
 def start_job(params_file: str, overrides: list[str], out_root: str | None, recipe_deployment: str | None,

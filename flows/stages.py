@@ -20,6 +20,7 @@ from qad_pipeline import processes
 from qad_pipeline.artifacts import write_json
 from qad_pipeline.layout import Layout
 from qad_pipeline.processes import exit_reason, oom_kills
+from qad_pipeline.stages import STAGES
 
 
 class StageFailed(RuntimeError):
@@ -72,10 +73,10 @@ def run_stage_process(
     name = "-".join(stage)
     layout.logs.mkdir(parents=True, exist_ok=True)
     log_path = layout.logs / f"{name}.log"
-    cmd = [sys.executable, "-m", "qad_pipeline", "stage", *stage, "--params", params_file,
-           "--out-root", str(layout.root)]
-    for item in overrides:
-        cmd += ["--set", item]
+    # `qad-pipeline stage ...` with this interpreter (the run's environment, whatever PATH says)
+    cmd = [sys.executable, "-m", "qad_pipeline",
+           *STAGES[stage[0]].command(*stage[1:], params_file=params_file, out_root=str(layout.root),
+                                     overrides=overrides)[1:]]
     logger.info("%s: started (log: %s)", name, log_path)
     started = time.time()
     child_env = {**os.environ, **(env or {})}

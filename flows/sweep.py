@@ -22,7 +22,8 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.publish import publish_sweep_table
-from flows.runtime import holding_outputs, parameter_overrides, start_job, stop_everything, submit_stages
+from flows.runtime import (fail_on_required, holding_outputs, parameter_overrides, start_job, stop_everything,
+                           submit_stages)
 from flows.stages import StageFailed
 from qad_pipeline import tracking, versioning
 from qad_pipeline.layout import Layout
@@ -54,8 +55,8 @@ def bpe_sweep(
         try:
             futures = submit_stages(job, planned(params, sweep_only=True))
             wait([f for items in futures.values() for f in items.values()])
-            for name in ("calibration", "baseline", "bpe_sweep"):  # no curve, no sweep: those fail the flow
-                futures[name][None].result()
+            # a budget's point fails alone; anything else, the curve included, fails the flow
+            fail_on_required(futures, lambda declared: not declared.may_fail or declared.name == "bpe_sweep")
         except StageFailed:
             raise
         except BaseException as err:  # SIGTERM or a Prefect cancel (TerminationSignal), Ctrl-C

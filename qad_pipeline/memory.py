@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from qad_pipeline.config import ConfigError, HardwareParams, Params
-from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, LIGHT_PROCESS_BASE, PROCESS_BASE,
-                                       SELECTION_PROCESS, GiB, MiB, ModelShape, Phase, model_shape, stage_phases)
+from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
+                                       Phase, model_shape, stage_memory, stage_phases)
 from qad_pipeline.report import aligned
-from qad_pipeline.stages import planned, with_sweep
+from qad_pipeline.stages import STAGES, planned, with_sweep
 
 HEADROOM = 0.9                    # the share of the free memory the plan lets the stages use
 
@@ -137,9 +137,9 @@ def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[di
 
 def estimate(stage: str, params: Params, cap: Capacity, shape: ModelShape | None = None) -> StageEstimate:
     """One stage process's peak host and per-GPU bytes (the max over its phases)."""
-    if stage in ("calibration", "selection", "bpe_sweep"):
-        base = LIGHT_PROCESS_BASE if stage == "calibration" else SELECTION_PROCESS
-        return StageEstimate(stage, base, 0, 1, "cpu", "no model", {"process": base}, host_bytes_other=base)
+    model = stage_memory(stage.split("/")[0])
+    if isinstance(model, int):  # a process that loads no model (calibration, selection, the sweep's curve)
+        return StageEstimate(stage, model, 0, 1, "cpu", "no model", {"process": model}, host_bytes_other=model)
     shape = shape or model_shape(params.base_model)
     placed = [(p.name, *_placed(p, params, cap, stage)) for p in stage_phases(stage, params, shape, cap.device)]
     on_gpu = cap.device == "cuda"
@@ -223,15 +223,12 @@ def _largest(stage: str, params: Params, cap: Capacity, at_once: int, knob: str,
     return lo * step
 
 
-KNOBS = {"baseline": ["eval.batch_size"], "ptq": ["ptq.calib_batch_size", "eval.batch_size"],
-         "qad": ["qad.batch_size", "qad.seq_len"], "final_eval": ["eval.batch_size"], "export": ["eval.batch_size"]}
-
-
 def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     """What to turn so that `est` fits: the knob of its peak phase first, with the largest value
     that fits, then the stage's other knobs; else what no setting of this run can change."""
     stage, name, at_once = est.stage, est.stage.split("/")[0], est.max_parallel
-    if name not in KNOBS:
+    knobs = STAGES[name].knobs
+    if not knobs:
         return f"{stage}: {why} (the process alone); use a machine with more memory"
     if name == "ptq" and at_once > 1 and _fits(stage, params, cap, 1):
         most = max(1, cap.host_bytes // est.host_bytes)
@@ -241,7 +238,7 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     alternative = "; or set qad.gradient_checkpointing=true" if checkpointing else ""
     phase_knob = next((p.knob for p in stage_phases(stage, params, model_shape(params.base_model), cap.device)
                        if p.name == est.phase), None)
-    for knob in sorted(KNOBS[name], key=lambda k: k != phase_knob):
+    for knob in sorted(knobs, key=lambda k: k != phase_knob):
         step = params.qad.num_gpus if knob == "qad.batch_size" else 1  # rows split evenly over the GPUs
         most = _largest(stage, params, cap, at_once, knob, step)
         section, key = knob.split(".")

@@ -48,6 +48,7 @@ are reclaimable page cache and left out.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -55,6 +56,7 @@ from pathlib import Path
 import yaml
 
 from qad_pipeline.config import BaseModelParams, Params, resolve
+from qad_pipeline.stages import STAGES, load_reference
 
 GiB, MiB = 2**30, 2**20
 # Fitted on the CPU (torch 2.13, benchmarks/memory_bench.py); the module docstring names each term.
@@ -224,7 +226,7 @@ def eval_phases(params: Params, shape: ModelShape, device: str, resident: dict[s
             Phase("lm_eval", "eval.batch_size", resident, lm_eval)]
 
 
-def baseline_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]:
+def baseline_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
     return eval_phases(params, shape, device, _weights(params, shape, False), None, writes_reference=True)
 
 
@@ -246,7 +248,7 @@ def _compute_dtype(setting: str, device: str) -> str:
     return setting if setting != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
-def qad_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]:
+def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
     """One of the `qad.num_gpus` processes (tasks/qad.py): each holds the whole teacher, loads the
     whole float32 student before sharding (fsdp) or replicating (ddp) it, and trains on its
     qad.batch_size / qad.num_gpus rows of every batch."""
@@ -280,12 +282,12 @@ def qad_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]:
             Phase("train", "qad.batch_size", trained, train), Phase("save", None, trained, host=save)]
 
 
-def final_eval_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]:
+def final_eval_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
     static = _any_static(params)
     return eval_phases(params, shape, device, _weights(params, shape, static), static)
 
 
-def export_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]:
+def export_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
     resident = _weights(params, shape, _any_static(params))
     exported = shape.params * DTYPE_BYTES[params.base_model.dtype]  # at most: NVFP4 packs 4x smaller
     check_logits = 2 * params.eval.seq_len * shape.vocab * 4 * 3  # two windows, student and reload
@@ -295,14 +297,24 @@ def export_phases(params: Params, shape: ModelShape, device: str) -> list[Phase]
                                                         "check_logits": check_logits})]
 
 
+def sweep_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
+    """The sweep's search and each budget's point: PTQ with the sweep's AutoQuantize recipe."""
+    return ptq_phases(params, shape, device, params.sweep.recipe)
+
+
+def stage_memory(name: str) -> Callable[..., list[Phase]] | int:
+    """A stage's memory model as its registry entry names it (`Stage.memory`): its phase function,
+    or the bytes of a process that loads no model."""
+    declared = STAGES.get(name)
+    if declared is None or declared.memory is None:
+        raise ValueError(f"no memory model for stage {name!r}: give its Stage a `memory` (qad_pipeline/stages.py)")
+    return load_reference(declared.memory)
+
+
 def stage_phases(stage: str, params: Params, shape: ModelShape, device: str) -> list[Phase]:
-    name, _, recipe = stage.partition("/")
-    if name == "ptq":
-        return ptq_phases(params, shape, device, recipe)
-    if name in ("sweep_search", "sweep"):  # the sweep's AutoQuantize recipe, searched or at one budget
-        return ptq_phases(params, shape, device, params.sweep.recipe)
-    phases = {"baseline": baseline_phases, "qad": qad_phases, "final_eval": final_eval_phases,
-              "export": export_phases}
-    if name not in phases:
-        raise ValueError(f"no memory model for stage {name!r}: give it its phases in memory_model.stage_phases")
-    return phases[name](params, shape, device)
+    """The phases of one stage process (`ptq/<recipe>`, `sweep/<budget>`, or a stage's name)."""
+    name, _, item = stage.partition("/")
+    model = stage_memory(name)
+    if isinstance(model, int):
+        raise ValueError(f"stage {name!r} loads no model: it has no phases")
+    return model(params, shape, device, item or None)

@@ -5,12 +5,16 @@
 
 A `Stage` names its entry point (`module:function`, called as `entry(params, layout, recipe)`),
 the stages it waits for (`after`: the flows' edges), the params.yaml keys it reads, its input
-data and the files it writes. Everything else reads this table: the CLI's `qad-pipeline stage`
-dispatch, the Prefect flows' task runs, their edges and cache keys (`flows/runtime.py`),
+data and the files it writes, its result file and that file's model, the function that fills its
+MLflow run from that result, and its memory model. Everything else reads this table: the CLI's
+`qad-pipeline stage` dispatch and its command line (`Stage.command`: what the flows start and
+`dvc repro` runs), the Prefect flows' task runs, their edges and cache keys (`flows/runtime.py`),
 `dvc.yaml` (generated, and a test proves it is current), the DVC stage names a Prefect run
-records and the GPU flows. A stage's code
-dependencies are not listed by hand: they are the project modules its entry module imports,
-directly or not, as `code_modules` finds them in the source.
+records, the GPU flows, the memory plan (`qad_pipeline.memory`) and the MLflow runs
+(`qad_pipeline.tracking.children`). A stage's code dependencies are not listed by hand: they are
+the project modules its entry module imports, directly or not, as `code_modules` finds them in
+the source. The table names other modules' objects as `module:name` strings, imported when used
+(`load_reference`), so reading it imports nothing heavy.
 
 Adding a stage: a module under tasks/ with a `main(params, layout, recipe=None) -> str`, one
 `Stage(...)` below, then `qad-pipeline dvc-yaml` (see ARCHITECTURE.md).
@@ -29,6 +33,8 @@ from typing import TYPE_CHECKING, Literal
 from qad_pipeline.config import PROJECT_ROOT
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from qad_pipeline.config import Params
     from qad_pipeline.layout import Layout
 
@@ -68,6 +74,13 @@ class Stage:
     may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
+    result: str | None = None  # the file its MLflow run is read from and holds (a per-item stage's: its own reader)
+    schema: str | None = None  # that file's model, `module:Class`
+    mlflow: str | None = None  # `module:function(child, result, params)`: fills its MLflow run from the result
+    # its memory model: `module:function(params, shape, device, item) -> [Phase]`, or `module:NAME`
+    # holding the bytes of a process that loads no model
+    memory: str | None = None
+    knobs: tuple[str, ...] = ()  # the settings that lower its peak memory, which the plan names when it does not fit
 
     @property
     def per_recipe(self) -> bool:
@@ -112,9 +125,24 @@ class Stage:
     def module(self) -> str:
         return self.entry.split(":")[0]
 
+    def command(self, item: str | None = None, params_file: str | None = None, out_root: str | None = None,
+                overrides: Sequence[str] = ()) -> list[str]:
+        """Its command line, `qad-pipeline stage <name> [<item>] [--params F] [--out-root D] [--set k=v ...]`:
+        what the flows start (`flows/stages.py`), `dvc repro` runs (dvc.yaml's `cmd`) and tests call."""
+        cmd = ["qad-pipeline", "stage", self.name, *([item] if item else [])]
+        cmd += ["--params", params_file] if params_file else []
+        cmd += ["--out-root", out_root] if out_root else []
+        return cmd + [arg for value in overrides for arg in ("--set", value)]
+
     def code_files(self) -> list[Path]:
         """The project's source files this stage runs: its entry module and all it imports."""
         return [module_file(m) for m in code_modules(self.module)]
+
+
+def load_reference(reference: str):
+    """The object a `module:name` reference of the table names (imported now)."""
+    module, name = reference.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def fill(template: str, recipe: str | None) -> str:
@@ -131,14 +159,20 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           params=("base_model.path", "base_model.revision", "base_model.trust_remote_code", "calibration",
                   "eval.seq_len", "eval.ppl_samples", "eval.num_cloze", "eval.num_continuation"),
           inputs=(MODEL, "${calibration.source}"),
-          outputs=(Output("artifacts/calibration"),)),
+          outputs=(Output("artifacts/calibration"),),
+          result="artifacts/calibration/manifest.json", schema="qad_pipeline.results.data:CalibrationManifest",
+          mlflow="qad_pipeline.tracking.children:calibration_run",
+          memory="qad_pipeline.memory_model:LIGHT_PROCESS_BASE"),
     Stage("baseline", "tasks.baseline:main", after=("calibration",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration"),
           outputs=(Output("metrics/baseline.json", "metrics"),
                    Output("artifacts/baseline", note="the BF16 reference distribution every KL is measured against")),
           gpu=True, cached=True, fingerprints=("artifacts/calibration/manifest.json",),
-          done=("metrics/baseline.json", "artifacts/baseline/reference/manifest.json")),
+          done=("metrics/baseline.json", "artifacts/baseline/reference/manifest.json"),
+          result="metrics/baseline.json", schema="qad_pipeline.results.scores:BaselineMetrics",
+          mlflow="qad_pipeline.tracking.children:baseline_run", memory="qad_pipeline.memory_model:baseline_phases",
+          knobs=("eval.batch_size",)),
     Stage("ptq", "tasks.ptq:main", after=("calibration", "baseline"),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
@@ -146,14 +180,16 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           foreach="ptq.recipes", gpu=True, cached=True, may_fail=True,
           fingerprints=("${ptq.recipe_dir}/{recipe}.yaml", "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json"),
-          done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint")),
+          done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint"),
+          memory="qad_pipeline.memory_model:ptq_phases", knobs=("ptq.calib_batch_size", "eval.batch_size")),
     Stage("sweep_search", "tasks.sweep_search:main", after=("calibration",),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe"),
           inputs=(MODEL, SWEEP_RECIPE, "artifacts/calibration"),
           outputs=(Output("artifacts/sweep_search", note="Model Optimizer's search state: calibrations and scores"),),
           gpu=True, cached=True, sweep=True,
           fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json"),
-          done=("artifacts/sweep_search/search.json", "artifacts/sweep_search/state.pt")),
+          done=("artifacts/sweep_search/search.json", "artifacts/sweep_search/state.pt"),
+          memory="qad_pipeline.memory_model:sweep_phases"),
     Stage("sweep", "tasks.sweep:main", after=("calibration", "baseline", "sweep_search"),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe", "eval"),
           inputs=(MODEL, SWEEP_RECIPE, EVAL_DATA, "artifacts/calibration", "artifacts/baseline",
@@ -162,7 +198,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           foreach="sweep.budgets", gpu=True, cached=True, sweep=True, may_fail=True,
           fingerprints=(SWEEP_RECIPE, "artifacts/calibration/manifest.json",
                         "artifacts/baseline/reference/manifest.json", "artifacts/sweep_search/search.json"),
-          done=("artifacts/sweep/{recipe}/scores.json", "artifacts/sweep/{recipe}/checkpoint")),
+          done=("artifacts/sweep/{recipe}/scores.json", "artifacts/sweep/{recipe}/checkpoint"),
+          memory="qad_pipeline.memory_model:sweep_phases"),
     Stage("bpe_sweep", "tasks.bpe_sweep:main", after=("baseline", "ptq", "sweep"),
           params=("ptq.recipes", "sweep"),
           inputs=("metrics/baseline.json", "artifacts/baseline/items.json", "artifacts/ptq", "artifacts/sweep"),
@@ -171,7 +208,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
                        "title": "BPE sweep: median recovery against whole-model bits per element"}),
                    Output("artifacts/bpe_sweep", note="the Pareto plot")),
-          sweep=True, may_fail=True),
+          sweep=True, may_fail=True, memory="qad_pipeline.memory_model:SELECTION_PROCESS"),
     Stage("selection", "tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
           params=("ptq.recipes", "selection", "sweep"),
           inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
@@ -179,7 +216,9 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           outputs=(Output("metrics/selection.json", "metrics"), Output("metrics/ptq", "metrics"),
                    Output("metrics/recovery.json", "plots", plot={
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
-                       "title": "Median recovery against effective bits per element, per PTQ recipe"}))),
+                       "title": "Median recovery against effective bits per element, per PTQ recipe"})),
+          result="metrics/selection.json", schema="qad_pipeline.results.selection:SelectionResult",
+          mlflow="qad_pipeline.tracking.children:selection_run", memory="qad_pipeline.memory_model:SELECTION_PROCESS"),
     Stage("qad", "tasks.qad:main", after=("selection",),
           params=("base_model", "calibration", "qad"),
           inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/sweep",
@@ -187,19 +226,28 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
-          gpu=True, after_selection=True, qad_only=True),
+          gpu=True, after_selection=True, qad_only=True,
+          result="artifacts/qad/loss.json", schema="qad_pipeline.results.qad:QADTraining",
+          mlflow="qad_pipeline.tracking.children:qad_run",
+          memory="qad_pipeline.memory_model:qad_phases", knobs=("qad.batch_size", "qad.seq_len")),
     Stage("final_eval", "tasks.final_eval:main", after=("qad",),
           params=("base_model", "eval"),
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
-          gpu=True, after_selection=True, qad_only=True),
+          gpu=True, after_selection=True, qad_only=True,
+          result="metrics/qad.json", schema="qad_pipeline.results.qad:QADMetrics",
+          mlflow="qad_pipeline.tracking.children:final_eval_run",
+          memory="qad_pipeline.memory_model:final_eval_phases", knobs=("eval.batch_size",)),
     Stage("export", "tasks.export:main", after=("selection", "final_eval"),
           params=("base_model", "selection.policy", "export"),
           inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "artifacts/ptq", "artifacts/sweep",
                   "metrics/selection.json"),
           outputs=(Output("metrics/export.json", "metrics"), Output("artifacts/export", cleared=False)),
-          gpu=True, after_selection=True),
+          gpu=True, after_selection=True,
+          result="metrics/export.json", schema="qad_pipeline.results.export:ExportMetrics",
+          mlflow="qad_pipeline.tracking.children:export_run",
+          memory="qad_pipeline.memory_model:export_phases", knobs=("eval.batch_size",)),
 )}
 
 # what `gpu-stage` runs: the recipes too, for a run with a `stage_deployment` and no `recipe_deployment`

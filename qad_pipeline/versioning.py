@@ -116,7 +116,7 @@ def dvc_yaml(params: Params | None = None) -> str:
         if stage.per_recipe:
             lines += [f"{pad}foreach: ${{{stage.foreach}}}", f"{pad}do:"]
             pad += "  "
-        lines.append(f"{pad}cmd: qad-pipeline stage {stage.name}" + (f" {recipe}" if recipe else ""))
+        lines.append(f"{pad}cmd: {' '.join(stage.command(recipe))}")
         code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]
         lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *(fill(i, recipe) for i in stage.inputs if i not in absent)])]
         lines += [f"{pad}params:", *(f"{pad}  - {key}" for key in stage.params)]

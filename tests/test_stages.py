@@ -137,15 +137,28 @@ def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its
     assert users["qad_pipeline.results.qad"] == {"qad", "final_eval"}
 
 
-def test_a_stage_added_to_the_registry_reaches_dvc_and_the_flows_wiring(monkeypatch, tmp_path):
-    """One `Stage(...)` is all dvc.yaml and the flows need (ARCHITECTURE.md, "Adding a stage")."""
+def card_run(child, result, params) -> None:
+    """The added stage's MLflow reader (below): what its run logs from its result."""
+    child.metrics = {"card_passed": float(result.passed)}
+
+
+def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_and_mlflow(monkeypatch, tmp_path):
+    """One `Stage(...)` is all dvc.yaml, the flows, the memory plan and MLflow need (ARCHITECTURE.md,
+    "Adding a stage")."""
     from flows import runtime
+    from qad_pipeline import memory
     from qad_pipeline.layout import Layout
+    from qad_pipeline.results.base import write_result
     from qad_pipeline.stages import Output
     from qad_pipeline.stages import Stage as Declared
+    from qad_pipeline.tracking.children import read_children
+    from tests.samples import export_metrics
 
     added = Declared("model_card", "tasks.export:main", after=("export",), params=("export",),
-                     inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),))
+                     inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),),
+                     result="metrics/model_card.json", schema="qad_pipeline.results.export:ExportMetrics",
+                     mlflow="tests.test_stages:card_run", memory="qad_pipeline.memory_model:export_phases",
+                     knobs=("eval.batch_size",))
     monkeypatch.setitem(STAGES, "model_card", added)
     card = yaml.safe_load(dvc_yaml())["stages"]["model_card"]
     assert card["cmd"] == "qad-pipeline stage model_card" and "metrics/export.json" in card["deps"]
@@ -153,6 +166,8 @@ def test_a_stage_added_to_the_registry_reaches_dvc_and_the_flows_wiring(monkeypa
     params = load_params(PROJECT_PARAMS)
     runs = planned(params)
     assert runs[-1] == (added, None)
+    assert added.command(None, "p.yaml", "out", ["a=1"]) == [
+        "qad-pipeline", "stage", "model_card", "--params", "p.yaml", "--out-root", "out", "--set", "a=1"]
 
     submitted = []
 
@@ -163,3 +178,27 @@ def test_a_stage_added_to_the_registry_reaches_dvc_and_the_flows_wiring(monkeypa
     monkeypatch.setattr(runtime, "submit", fake_submit)
     futures = runtime.submit_stages(runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path)), runs)
     assert submitted[-1] == ("model_card", None, [futures["export"][None]])
+
+    plan = memory.plan(params)  # its memory model: the export's phases
+    assert plan[-1].stage == "model_card" and plan[-1].phase in {"export", "reload_check"}
+
+    layout = Layout(tmp_path)
+    write_result(layout.root / "metrics/model_card.json", export_metrics(tmp_path / "export"))
+    [child] = read_children(layout, params)  # its MLflow run, filled by its reader
+    assert child.stage == "model_card" and child.metrics == {"card_passed": 1.0}
+
+
+def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
+    """`Stage.result` and `Stage.schema` name the same file and model the stages write (tests/samples.py)."""
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.stages import load_reference
+    from tests.samples import result_files
+
+    written = dict(result_files(Layout(tmp_path), []))
+    declared = {name: s for name, s in STAGES.items() if s.result}
+    assert set(declared) == {"calibration", "baseline", "selection", "qad", "final_eval", "export"}
+    for s in declared.values():
+        assert written[tmp_path / s.result] is load_reference(s.schema), s.name
+        assert s.mlflow and callable(load_reference(s.mlflow))
+    for s in STAGES.values():  # every stage has a memory model
+        assert callable(load_reference(s.memory)) or isinstance(load_reference(s.memory), int), s.name

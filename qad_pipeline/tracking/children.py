@@ -9,7 +9,6 @@ artifacts, and ends FAILED with the tag `error` when it failed.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ from qad_pipeline.results.qad import QADMetrics, QADTraining
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
 from qad_pipeline.results.sweep import BPESweep
-from qad_pipeline.stages import with_sweep
+from qad_pipeline.stages import STAGES, load_reference, with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import ci_metrics, number, numeric_leaves, pick, task_metrics
 from qad_pipeline.redaction import redact_text
@@ -115,7 +114,7 @@ def short_reason(reason: str) -> str:
 # -- the readers: one per stage, filling the run from the stage's result file --------------------
 
 
-def _calibration(child: ChildRun, m: CalibrationManifest, params: Params) -> None:
+def calibration_run(child: ChildRun, m: CalibrationManifest, params: Params) -> None:
     child.metrics = {
         **numeric_leaves({"documents": m.documents, "seed": m.seed}),
         **numeric_leaves(dump_result(m.calibration), "calibration."),
@@ -131,12 +130,12 @@ def _calibration(child: ChildRun, m: CalibrationManifest, params: Params) -> Non
     child.datasets = manifest_datasets(m, params)
 
 
-def _baseline(child: ChildRun, m: BaselineMetrics, params: Params) -> None:
+def baseline_run(child: ChildRun, m: BaselineMetrics, params: Params) -> None:
     child.metrics = {**task_metrics(m.tasks), **pick(m, "effective_bpe", "size_bytes")}
     child.tags = {f"base_model.{k}": v for k, v in dump_result(m.model).items()}
 
 
-def _selection(child: ChildRun, s: SelectionResult, params: Params) -> None:
+def selection_run(child: ChildRun, s: SelectionResult, params: Params) -> None:
     chosen = next((r for r in s.table if r.name == s.selected), None)
     child.metrics = {
         "recipes.ok": float(sum(r.status == "ok" for r in s.table)),
@@ -151,7 +150,7 @@ def _selection(child: ChildRun, s: SelectionResult, params: Params) -> None:
     child.texts = {REASON_FILE: s.reason, **child.texts}
 
 
-def _qad(child: ChildRun, q: QADTraining, params: Params) -> None:
+def qad_run(child: ChildRun, q: QADTraining, params: Params) -> None:
     if child.start_ms == child.end_ms:  # no usage file: loss.json says how long it trained
         child.start_ms = int(child.end_ms - 1000 * q.seconds)
     start, end = child.start_ms, child.end_ms
@@ -166,7 +165,7 @@ def _qad(child: ChildRun, q: QADTraining, params: Params) -> None:
                           "tokens_per_step", "seconds")
 
 
-def _final_eval(child: ChildRun, m: QADMetrics, params: Params) -> None:
+def final_eval_run(child: ChildRun, m: QADMetrics, params: Params) -> None:
     child.recipe = m.recipe
     child.metrics = {**task_metrics(m.tasks),
                      **pick(m, "median_recovery", "ptq_median_recovery", "kl_divergence", "qad_beats_ptq"),
@@ -174,7 +173,7 @@ def _final_eval(child: ChildRun, m: QADMetrics, params: Params) -> None:
     child.tags = {"qad_beats_ptq": m.qad_beats_ptq}
 
 
-def _export(child: ChildRun, e: ExportMetrics, params: Params) -> None:
+def export_run(child: ChildRun, e: ExportMetrics, params: Params) -> None:
     child.status = "FINISHED" if e.passed else "FAILED"
     child.metrics = numeric_leaves(e.model_dump(mode="json", exclude={"serving"}))
     child.tags = {f"check.{name}": "passed" if c.get("passed") else "FAILED" for name, c in e.checks.items()}
@@ -185,21 +184,9 @@ def _export(child: ChildRun, e: ExportMetrics, params: Params) -> None:
         child.tags[ERROR] = "export verification failed: " + "; ".join(failed)
 
 
-# stage -> (the result file its run is read from and holds as an artifact, that file's model, the
-# reader that fills the run from it)
-STAGE_READERS: dict[str, tuple[Callable[[Layout], Path], Any, Callable[[ChildRun, Any, Params], None]]] = {
-    "calibration": (lambda layout: layout.data / "manifest.json", CalibrationManifest, _calibration),
-    "baseline": (lambda layout: layout.baseline_metrics, BaselineMetrics, _baseline),
-    "selection": (lambda layout: layout.selection_metrics, SelectionResult, _selection),
-    "qad": (lambda layout: layout.qad / "loss.json", QADTraining, _qad),
-    "final_eval": (lambda layout: layout.qad_metrics, QADMetrics, _final_eval),
-    "export": (lambda layout: layout.export_metrics, ExportMetrics, _export),
-}
-
-
 def result_file(layout: Layout, stage: str) -> Path:
-    """The file a (non-PTQ) stage's run is read from: its manifest, metrics or loss file."""
-    return STAGE_READERS[stage][0](layout)
+    """The file a (non-PTQ) stage's run is read from: its manifest, metrics or loss file (`Stage.result`)."""
+    return layout.root / STAGES[stage].result
 
 
 def stage_child(layout: Layout, params: Params, stage: str) -> ChildRun | None:
@@ -207,13 +194,14 @@ def stage_child(layout: Layout, params: Params, stage: str) -> ChildRun | None:
 
     None while the file is not there (the stage has not run, or failed: a half-finished run is
     logged with the stages it has); a file that is there must match its model."""
-    path, kind, reader = result_file(layout, stage), *STAGE_READERS[stage][1:]
-    result = read_result(path, kind, missing_ok=True)
+    declared = STAGES[stage]
+    path = result_file(layout, stage)
+    result = read_result(path, load_reference(declared.schema), missing_ok=True)
     if result is None:
         return None
     child = ChildRun(stage, stage, *stage_span(layout, stage, path), dicts={path.name: dump_result(result)},
                      texts=_stage_log(layout, stage))
-    reader(child, result, params)
+    load_reference(declared.mlflow)(child, result, params)
     return child
 
 
@@ -339,10 +327,13 @@ def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     """One ChildRun per stage (and recipe) whose files exist, in pipeline order."""
     selection = read_result(layout.selection_metrics, SelectionResult, missing_ok=True)
     rows = {r.name: r for r in selection.table} if selection is not None else {}
-    children = [stage_child(layout, params, "calibration"), stage_child(layout, params, "baseline")]
-    children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
-    if with_sweep(params):  # the run swept first: a run per budget, and the curve's
-        sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
-        children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
-    children += [stage_child(layout, params, s) for s in ("selection", "qad", "final_eval", "export")]
+    children: list[ChildRun | None] = []
+    for declared in STAGES.values():  # a stage with a reader (`Stage.mlflow`), the recipes, the sweep's
+        if declared.mlflow:
+            children.append(stage_child(layout, params, declared.name))
+        elif declared.name == "ptq":
+            children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
+        elif declared.name == "bpe_sweep" and with_sweep(params):  # the run swept: a run per budget, the curve's
+            sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
+            children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
     return [c for c in children if c is not None]

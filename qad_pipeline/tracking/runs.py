@@ -92,13 +92,13 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     missing.
     """
     if not layout.selection_metrics.is_file():
-        missing = next(s for s in STAGES if not STAGES[s].per_recipe and not STAGES[s].sweep
+        missing = next(s for s in STAGES if STAGES[s].result and not STAGES[s].sweep
                        and not result_file(layout, s).is_file())
         return "FAILED", f"no result from {missing}"
     selection = read_result(layout.selection_metrics, SelectionResult)
     if selection.selected is None:
         return "FINISHED", "no recipe selected: " + selection.reason
-    for stage in (declared.name for declared, _ in planned(params) if declared.after_selection):
+    for stage in (declared.name for declared, _ in planned(params) if declared.after_selection and declared.result):
         if not result_file(layout, stage).is_file():
             return "FAILED", f"no result from {stage}"
     if params.export.source == "none":
