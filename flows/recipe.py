@@ -3,9 +3,10 @@
 
 The `qad-pipeline` flow, run from a deployment with `recipe_deployment` set, starts one
 `ptq-recipe` run per recipe on that deployment's work pool and waits for all of them. Each run
-takes one GPU: a process worker sees the devices its own environment lets it see
-(`CUDA_VISIBLE_DEVICES`), a Kubernetes job gets the `nvidia.com/gpu: 1` of its job template, and
-the worker's `--limit` keeps it from taking more runs than it has GPUs. The run executes the same
+takes its GPUs (`qad_pipeline.gpus`: one per recipe unless `ptq.gpus_per_recipe` says more) out of
+those its worker sees: a process worker's own `CUDA_VISIBLE_DEVICES`, or a Kubernetes job's
+`nvidia.com/gpu` request; two runs of one worker never share a GPU (a run waits for a free one),
+and the worker's `--limit` keeps it from taking more runs than it has GPUs. The run executes the same
 `qad-pipeline stage ptq <recipe>` command as every other way of running the pipeline, in the
 project folder, writing under `out_root` (a filesystem every worker shares). With
 `stage_deployment` set, the parent runs its other GPU-heavy stages the same way, as `gpu-stage`
@@ -22,6 +23,8 @@ from pathlib import Path
 from prefect import flow
 
 from flows.stages import run_stage_process
+from qad_pipeline import gpus
+from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
 from qad_pipeline.stages import GPU_STAGES
@@ -29,13 +32,17 @@ from qad_pipeline.stages import GPU_STAGES
 
 def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, out_root: str | None,
               lock_token: str | None) -> dict:
-    """Run `qad-pipeline stage ...` on this worker; say where it ran (host, process, devices)."""
+    """Run `qad-pipeline stage ...` on this worker, on the GPUs it claims of the worker's; say where
+    it ran (host, process, devices)."""
     params_file = str(Path(params_file).resolve())
     layout = Layout(output_root(out_root, params_file))
-    seconds = run_stage_process(stage, params_file, list(overrides or []), layout,
-                                env={TOKEN_ENV: lock_token} if lock_token else None)
+    params = load_params(Path(params_file), list(overrides or []))
+    seen = gpus.of_worker(params)
+    with gpus.claim(gpus.needed(stage[0], params, len(seen)), seen, "-".join(stage), print) as claimed:
+        env = {**({TOKEN_ENV: lock_token} if lock_token else {}), **gpus.env_for(claimed)}
+        seconds = run_stage_process(stage, params_file, list(overrides or []), layout, env=env)
     return {"seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
-            "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+            "devices": ",".join(claimed) if claimed else os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 @flow(name="ptq-recipe", flow_run_name="ptq-{recipe}", log_prints=True)

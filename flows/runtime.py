@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
 from flows.stages import StageFailed, run_stage_process
-from qad_pipeline import processes
+from qad_pipeline import gpus, processes
 from qad_pipeline.artifacts import list_files
 from qad_pipeline.config import Params, load_params, resolve
 from qad_pipeline.layout import Layout, output_root
@@ -50,6 +50,8 @@ class Job:
     stage_deployment: str | None = None
     at_once: int = 1  # PTQ recipes at once here (the memory plan's `recipe_parallelism`)
     threads: int = 1  # CPU threads per PTQ process
+    gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.gpus)
+    claims: tuple[tuple[str, int], ...] = ()  # (stage, GPUs one process of it claims), where it claims any
 
 
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
@@ -111,15 +113,17 @@ def route(stage: str, item: str | None, job: Job) -> tuple[str | None, dict]:
 
 @task(persist_result=True)
 def run_stage(stage: str, recipe: str | None, job: Job) -> float:
-    """One stage: a process here (`qad-pipeline stage ...`), or a flow run on a GPU deployment's pool."""
+    """One stage: a process here (`qad-pipeline stage ...`) on the GPUs it claims, or a flow run on
+    a GPU deployment's pool."""
     declared = STAGES[stage]
     deployment, parameters = route(stage, recipe, job)
     if deployment:
         return run_on_pool(deployment, declared.run_name(recipe), parameters, job)
-    if not declared.per_recipe:
-        return run_stage_process([stage], job.params_file, job.overrides, job.layout)
-    with _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)):
-        return run_stage_process([stage, recipe], job.params_file, job.overrides, job.layout, job.threads)
+    at_once = _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)) if declared.per_recipe else nullcontext()
+    need = dict(job.claims).get(stage, 0)
+    with at_once, gpus.claim(need, job.gpus, declared.run_name(recipe), get_run_logger().info) as claimed:
+        return run_stage_process([stage, *([recipe] if recipe else [])], job.params_file, job.overrides, job.layout,
+                                 job.threads if declared.per_recipe else None, env=gpus.env_for(claimed))
 
 
 def stage_task(job: Job, stage: str, recipe: str | None = None):
@@ -171,7 +175,7 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.memory import recipe_parallelism
+    from qad_pipeline.memory import capacity, recipe_parallelism
     from qad_pipeline.stages import with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
@@ -179,9 +183,12 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=sweep)
-    at_once = recipe_parallelism(params, sweep=sweep or with_sweep(params))
+    cap = capacity(params.hardware)
+    at_once = recipe_parallelism(params, cap, sweep=sweep or with_sweep(params))
+    seen = gpus.visible(len(cap.gpu_bytes))
+    claims = tuple((name, gpus.needed(name, params, len(seen))) for name in STAGES) if seen else ()
     return params, Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
-                       at_once, max(1, (os.cpu_count() or 1) // at_once))
+                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, claims)
 
 
 def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:

@@ -87,12 +87,14 @@ class PTQParams(_Section):
     recipes: list[str] = Field(min_length=1)
     calib_batch_size: int = Field(gt=0)
     max_parallel: int | Literal["auto"]
+    # GPUs each recipe process gets (CUDA_VISIBLE_DEVICES): auto = one, or all with device_map auto
+    gpus_per_recipe: int | Literal["auto"] = "auto"
 
-    @field_validator("max_parallel")
+    @field_validator("max_parallel", "gpus_per_recipe")
     @classmethod
-    def _positive(cls, value: int | str) -> int | str:
+    def _positive(cls, value: int | str, info) -> int | str:
         if value != "auto" and value < 1:
-            raise ValueError(f"max_parallel must be 'auto' or a positive integer, got {value!r}")
+            raise ValueError(f"{info.field_name} must be 'auto' or a positive integer, got {value!r}")
         return value
 
     @field_validator("recipes")

@@ -14,12 +14,10 @@ formula and where its constants were fitted).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from qad_pipeline import gpus
 from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
@@ -43,6 +41,7 @@ class StageEstimate:
     fits: bool = True
     advice: str | None = None  # why it does not fit, and the knob to turn
     host_bytes_other: int = 0  # each of the other processes at once (QAD: ranks but the first)
+    gpus: int = 0  # the GPUs one process of it claims (its CUDA_VISIBLE_DEVICES; qad: all its ranks')
 
     @property
     def host_total(self) -> int:
@@ -83,13 +82,6 @@ def _host_free() -> int:
     return free
 
 
-def _gpu_free() -> list[int]:
-    """Free bytes per visible GPU, asked in a child process so that no CUDA context stays here."""
-    code = "import torch; print([torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
-
-
 def planned_device(hardware: HardwareParams) -> str:
     if hardware.device == "cuda":  # also where this process sees no GPU (a flow's control node)
         return "cuda"
@@ -107,8 +99,8 @@ def capacity(hardware: HardwareParams) -> Capacity:
     caps = {k: convert_file_size_to_int(v) for k, v in (hardware.max_memory or {}).items()}
     host = hardware.host_memory_gb * GiB if hardware.host_memory_gb is not None else _host_free()
     host = min(host, caps.get("cpu", host))
-    gpus = [min(free, caps.get(str(i), free)) for i, free in enumerate(_gpu_free() if device == "cuda" else [])]
-    return Capacity(device, int(host * HEADROOM), tuple(int(g * HEADROOM) for g in gpus))
+    free = [min(f, caps.get(str(i), f)) for i, f in enumerate(gpus.free_bytes() if device == "cuda" else [])]
+    return Capacity(device, int(host * HEADROOM), tuple(int(g * HEADROOM) for g in free))
 
 
 def stages(params: Params, sweep_only: bool = False) -> list[str]:
@@ -127,11 +119,13 @@ def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[di
         return {"process": PROCESS_BASE, **model, **phase.host}, {}
     host = {"process": PROCESS_BASE + CUDA_HOST_EXTRA, **phase.host}
     if params.hardware.device_map == "auto" and stage != "qad" and cap.gpu_bytes:
-        resident, gpus = sum(phase.resident.values()), len(cap.gpu_bytes)
-        room = gpus * max(0, min(cap.gpu_bytes) - CUDA_CONTEXT - sum(phase.transient.values()))
+        # spread over the GPUs the process gets: a recipe's gpus_per_recipe, another stage's all
+        given = gpus.needed(stage.split("/")[0], params, len(cap.gpu_bytes))
+        resident = sum(phase.resident.values())
+        room = given * max(0, min(cap.gpu_bytes) - CUDA_CONTEXT - sum(phase.transient.values()))
         if resident > room:  # accelerate offloads what the GPUs cannot hold to the host
             host["offloaded"] = resident - room
-        return host, {"cuda_context": CUDA_CONTEXT, "weights_share": min(resident, room) // gpus, **phase.transient}
+        return host, {"cuda_context": CUDA_CONTEXT, "weights_share": min(resident, room) // given, **phase.transient}
     return host, {"cuda_context": CUDA_CONTEXT, **model}
 
 
@@ -160,20 +154,24 @@ def _gpus_holding(device_bytes: int, cap: Capacity) -> int:
 def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool = False) -> int:
     """Per-item processes at once (PTQ recipes; with `sweep`, the sweep's budgets too, which share
     the recipes' slots): `ptq.max_parallel`, or for `auto` as many as the free host memory holds
-    (CPU), or one per visible GPU that holds one (CUDA; one at a time with `device_map: auto`, which
-    spreads a recipe over all of them). At least 1: `check_fits` refuses one that does not fit at all."""
+    (CPU), or one per `ptq.gpus_per_recipe` visible GPUs that hold one (CUDA: `qad_pipeline.gpus`;
+    one at a time with `device_map: auto` and `gpus_per_recipe: auto`, which spread a recipe over
+    all of them). At least 1: `check_fits` refuses one that does not fit at all."""
     per_item = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
     items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
     if params.ptq.max_parallel != "auto":
-        return min(params.ptq.max_parallel, items)
+        at_once = min(params.ptq.max_parallel, items)
+        if cap is not None and cap.device == "cuda" and cap.gpu_bytes:  # no more than the GPUs' slots
+            at_once = min(at_once, max(1, gpus.slots(params, len(cap.gpu_bytes))))
+        return at_once
     cap = cap or capacity(params.hardware)
     if cap.device == "cuda" and not cap.gpu_bytes:  # the recipes run on GPU workers, one each
         return items
     peaks = [estimate(stage, params, cap) for stage in per_item]
     fit = min(items, cap.host_bytes // max(e.host_bytes for e in peaks))
     if cap.device == "cuda" and cap.gpu_bytes:
-        per_gpu = 1 if params.hardware.device_map == "auto" else _gpus_holding(max(e.device_bytes for e in peaks), cap)
-        fit = min(fit, per_gpu)
+        holding = _gpus_holding(max(e.device_bytes for e in peaks), cap)
+        fit = min(fit, holding // gpus.per_recipe(params, len(cap.gpu_bytes)))
     return max(1, fit)
 
 
@@ -191,10 +189,10 @@ def _why_not(est: StageEstimate, cap: Capacity, params: Params) -> str | None:
         times = f" ({at_once} processes at once)" if at_once > 1 else ""
         return f"needs {_gib(est.host_total)} of host memory{times}, {_gib(cap.host_bytes)} is usable"
     if cap.device == "cuda" and cap.gpu_bytes:
-        gpus = at_once if est.stage == "qad" else 1
-        if gpus > len(cap.gpu_bytes):
-            return f"runs on qad.num_gpus = {gpus} GPUs, this machine sees {len(cap.gpu_bytes)}"
-        if _gpus_holding(est.device_bytes, cap) < gpus:
+        needs = at_once if est.stage == "qad" else 1
+        if needs > len(cap.gpu_bytes):
+            return f"runs on qad.num_gpus = {needs} GPUs, this machine sees {len(cap.gpu_bytes)}"
+        if _gpus_holding(est.device_bytes, cap) < needs:
             return f"needs {_gib(est.device_bytes)} per GPU, {_gib(max(cap.gpu_bytes))} is usable"
     return None
 
@@ -271,6 +269,7 @@ def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) 
     for stage in stages(params, sweep_only):
         est = estimate(stage, params, cap, shape)
         est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
+        est.gpus = gpus.needed(stage.split("/")[0], params, len(cap.gpu_bytes)) if cap.device == "cuda" else 0
         why = _why_not(est, cap, params)
         if why is not None:
             est.fits, est.advice = False, advice(est, params, cap, why)
@@ -288,11 +287,11 @@ def check_fits(estimates: list[StageEstimate]) -> None:
 def table(estimates: list[StageEstimate], cap: Capacity) -> str:
     """The plan as a text table, then what this machine offers."""
     mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
-    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "at once", "fits")]
-    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), str(e.max_parallel), "yes" if e.fits else "NO")
-             for e in estimates]
+    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "fits")]
+    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), str(e.gpus or "-"), str(e.max_parallel),
+              "yes" if e.fits else "NO") for e in estimates]
     lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
-    gpus = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
-    lines.append(f"usable ({HEADROOM:.0%} of what is free): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {gpus}; "
+    seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
+    lines.append(f"usable ({HEADROOM:.0%} of what is free): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; "
                  f"the stages run on {cap.device}")
     return "\n".join(lines)
