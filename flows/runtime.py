@@ -51,7 +51,7 @@ class Job:
     at_once: int = 1  # PTQ recipes at once here (the memory plan's `recipe_parallelism`)
     threads: int = 1  # CPU threads per PTQ process
     gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.gpus)
-    claims: tuple[tuple[str, int], ...] = ()  # (stage, GPUs one process of it claims), where it claims any
+    placed: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (summary key, the GPUs it claims first: gpus.layout)
 
 
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
@@ -120,8 +120,9 @@ def run_stage(stage: str, recipe: str | None, job: Job) -> float:
     if deployment:
         return run_on_pool(deployment, declared.run_name(recipe), parameters, job)
     at_once = _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)) if declared.per_recipe else nullcontext()
-    need = dict(job.claims).get(stage, 0)
-    with at_once, gpus.claim(need, job.gpus, declared.run_name(recipe), get_run_logger().info) as claimed:
+    prefer = dict(job.placed).get(declared.summary_key(recipe), ())
+    with at_once, gpus.claim(len(prefer), job.gpus, declared.run_name(recipe), get_run_logger().info,
+                             prefer) as claimed:
         return run_stage_process([stage, *([recipe] if recipe else [])], job.params_file, job.overrides, job.layout,
                                  job.threads if declared.per_recipe else None, env=gpus.env_for(claimed))
 
@@ -176,7 +177,7 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
     from qad_pipeline.memory import capacity, recipe_parallelism
-    from qad_pipeline.stages import with_sweep
+    from qad_pipeline.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)
@@ -186,9 +187,10 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     cap = capacity(params.hardware)
     at_once = recipe_parallelism(params, cap, sweep=sweep or with_sweep(params))
     seen = gpus.visible(len(cap.gpu_bytes))
-    claims = tuple((name, gpus.needed(name, params, len(seen))) for name in STAGES) if seen else ()
+    runs = [(declared.name, item) for declared, item in planned(params, sweep_only=sweep)]
+    placed = tuple(gpus.layout(runs, params, seen, at_once).items()) if seen else ()
     return params, Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
-                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, claims)
+                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed)
 
 
 def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:

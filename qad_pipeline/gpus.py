@@ -94,6 +94,33 @@ def slots(params: Params, seen: int) -> int:
     return seen // per_recipe(params, seen) if seen else 0
 
 
+def layout(runs: list[tuple[str, str | None]], params: Params, names: tuple[str, ...], at_once: int
+           ) -> dict[str, tuple[str, ...]]:
+    """The GPUs each stage process of `runs` ((stage, item) in the order a run starts them) gets
+    when nothing else holds them, by its summary key (`ptq/<recipe>`, `qad`): the recipes and
+    budgets in turn over `at_once` slots of `per_recipe` GPUs, every other stage the first
+    `needed` GPUs. The plan prints it; a run claims these first (`claim`'s `prefer`)."""
+    out, turn = {}, 0
+    width = per_recipe(params, len(names)) if names else 0
+    for stage, item in runs:
+        count = needed(stage, params, len(names))
+        start = 0
+        if item is not None and count:
+            start, turn = (turn % max(1, min(at_once, slots(params, len(names))))) * width, turn + 1
+        out[f"{stage}/{item}" if item is not None else stage] = names[start:start + count]
+    return out
+
+
+def shown(gpus: tuple[str, ...]) -> str:
+    """GPUs as the plan's table shows them: `-`, `3`, `0-3` (a run of indices) or `3,5`."""
+    if not gpus:
+        return "-"
+    if len(gpus) > 2 and all(g.isdigit() for g in gpus) and [int(g) for g in gpus] == list(
+            range(int(gpus[0]), int(gpus[0]) + len(gpus))):
+        return f"{gpus[0]}-{gpus[-1]}"
+    return ",".join(gpus)
+
+
 def _lock_dir() -> Path:
     folder = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "qad-pipeline-gpus")
     folder.mkdir(parents=True, exist_ok=True)
@@ -105,9 +132,10 @@ def _lock_name(gpu: str) -> str:
 
 
 @contextmanager
-def claim(count: int, gpus: tuple[str, ...], what: str = "",
-          waiting: Callable[[str], None] | None = None, poll_s: float = 0.5) -> Iterator[tuple[str, ...]]:
-    """Hold `count` of `gpus` (the free ones, in order) for as long as the block runs; yields them.
+def claim(count: int, gpus: tuple[str, ...], what: str = "", waiting: Callable[[str], None] | None = None,
+          prefer: tuple[str, ...] = (), poll_s: float = 0.5) -> Iterator[tuple[str, ...]]:
+    """Hold `count` of `gpus` (the free ones: those of `prefer` first, then in order) for as long as
+    the block runs; yields them.
 
     Waits while fewer than `count` are free, taking none meanwhile; `waiting` is told once.
     `count` 0 yields () at once."""
@@ -119,7 +147,7 @@ def claim(count: int, gpus: tuple[str, ...], what: str = "",
     folder, told = _lock_dir(), False
     while True:
         held: list[tuple[str, int]] = []
-        for gpu in gpus:
+        for gpu in [*prefer, *(g for g in gpus if g not in prefer)]:
             fd = os.open(folder / _lock_name(gpu), os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -41,7 +41,7 @@ class StageEstimate:
     fits: bool = True
     advice: str | None = None  # why it does not fit, and the knob to turn
     host_bytes_other: int = 0  # each of the other processes at once (QAD: ranks but the first)
-    gpus: int = 0  # the GPUs one process of it claims (its CUDA_VISIBLE_DEVICES; qad: all its ranks')
+    gpus: tuple[str, ...] = ()  # the GPUs it gets (its CUDA_VISIBLE_DEVICES: gpus.layout; qad: all its ranks')
 
     @property
     def host_total(self) -> int:
@@ -265,11 +265,13 @@ def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) 
     cap = cap or capacity(params.hardware)
     recipes_at_once = recipe_parallelism(params, cap, sweep=sweep_only or with_sweep(params))
     shape = model_shape(params.base_model)
+    runs = [(declared.name, item) for declared, item in planned(params, sweep_only)]
+    placed = gpus.layout(runs, params, gpus.visible(len(cap.gpu_bytes)), recipes_at_once) if cap.gpu_bytes else {}
     out = []
     for stage in stages(params, sweep_only):
         est = estimate(stage, params, cap, shape)
         est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
-        est.gpus = gpus.needed(stage.split("/")[0], params, len(cap.gpu_bytes)) if cap.device == "cuda" else 0
+        est.gpus = placed.get(stage, ())
         why = _why_not(est, cap, params)
         if why is not None:
             est.fits, est.advice = False, advice(est, params, cap, why)
@@ -288,7 +290,7 @@ def table(estimates: list[StageEstimate], cap: Capacity) -> str:
     """The plan as a text table, then what this machine offers."""
     mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
     rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "fits")]
-    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), str(e.gpus or "-"), str(e.max_parallel),
+    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), gpus.shown(e.gpus), str(e.max_parallel),
               "yes" if e.fits else "NO") for e in estimates]
     lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
     seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"

@@ -69,11 +69,14 @@ def test_each_recipe_on_its_own_gpu_of_an_eight_gpu_node(node, tmp_path):
     runs = node(8)
     params, job = runtime.start_job(PARAMS, ON_CUDA, str(tmp_path / "out"), None, None)
     assert job.gpus == tuple(str(i) for i in range(8)) and job.at_once == len(params.ptq.recipes) == 5
-    assert dict(job.claims) == {**{s: 0 for s in ("calibration", "bpe_sweep", "selection")},
-                                **{s: 1 for s in ("baseline", "ptq", "sweep_search", "sweep", "final_eval", "export")},
-                                "qad": params.qad.num_gpus}
+    recipes = [f"ptq/{r}" for r in params.ptq.recipes]
+    assert dict(job.placed) == {"calibration": (), **{r: (str(i),) for i, r in enumerate(recipes)}, "baseline": ("0",),
+                                "selection": (), "qad": ("0",), "final_eval": ("0",), "export": ("0",)}
     _recipes(job, params)
-    assert len({run["env"]["CUDA_VISIBLE_DEVICES"] for run in runs}) == 5  # five recipes, five GPUs, at once
+    # five recipes at once, each on the GPU the plan gave it
+    assert {run["stage"][1]: run["env"]["CUDA_VISIBLE_DEVICES"] for run in runs} == {
+        r: str(i) for i, r in enumerate(params.ptq.recipes)}
+    assert [(e.stage, e.gpus) for e in memory.plan(params, memory.capacity(params.hardware))] == list(job.placed)
     assert all(len(_devices(run)) == 1 for run in runs)
     _no_gpu_shared_at_once(runs)
     runtime.run_stage.fn("selection", None, job)  # loads no model: its environment is left alone
@@ -102,9 +105,11 @@ def test_gpus_per_recipe_spreads_each_recipe_over_its_own_gpus(node, tmp_path):
     assert [len(_devices(run)) for run in runs[-2:]] == [4, 8]
     # the plan says the same
     rows = {e.stage: e for e in memory.plan(params, memory.capacity(params.hardware))}
-    first = rows["ptq/" + params.ptq.recipes[0]]
-    assert (first.gpus, first.max_parallel, rows["qad"].gpus,
-            rows["baseline"].gpus) == (2, 4, 4, 8)
+    assert [rows["ptq/" + r].gpus for r in params.ptq.recipes] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7"),
+                                                                  ("0", "1")]
+    assert (rows["ptq/" + params.ptq.recipes[0]].max_parallel, rows["qad"].gpus, rows["baseline"].gpus) == (
+        4, ("0", "1", "2", "3"), tuple(str(i) for i in range(8)))
+    assert [gpus.shown(g) for g in [(), ("3",), ("3", "5"), ("0", "1", "2", "3")]] == ["-", "3", "3,5", "0-3"]
 
 
 def test_a_worker_given_some_gpus_hands_out_those(node, tmp_path, monkeypatch):
@@ -120,7 +125,9 @@ def test_a_worker_given_some_gpus_hands_out_those(node, tmp_path, monkeypatch):
     _no_gpu_shared_at_once(runs)
     cap = memory.capacity(params.hardware)
     rows = memory.plan(params, cap)
-    assert [(e.stage, e.gpus) for e in rows[:3]] == [("calibration", 0), ("baseline", 1), ("ptq/" + params.ptq.recipes[0], 1)]
+    assert [(e.stage, e.gpus) for e in rows[:4]] == [("calibration", ()), ("baseline", ("3",)),
+                                                     ("ptq/" + params.ptq.recipes[0], ("3",)),
+                                                     ("ptq/" + params.ptq.recipes[1], ("5",))]
     assert "GPUs" in memory.table(rows, cap).splitlines()[0].split()
 
 
@@ -143,7 +150,7 @@ def test_a_claim_waits_for_a_gpu_another_process_holds(node, tmp_path):
 def test_no_gpu_leaves_the_environment_alone(node, tmp_path):
     runs = node(0)
     params, job = runtime.start_job(PARAMS, ["export.serving_check=skip"], str(tmp_path / "out"), None, None)
-    assert job.gpus == () and job.claims == ()
+    assert job.gpus == () and job.placed == ()
     runtime.run_stage.fn("ptq", params.ptq.recipes[0], job)
     assert runs[0]["env"] == {}
 
