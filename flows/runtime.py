@@ -176,7 +176,7 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.memory import capacity, recipe_parallelism
+    from qad_pipeline.memory import capacity, recipe_parallelism, settled
     from qad_pipeline.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
@@ -185,10 +185,11 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=sweep)
     cap = capacity(params.hardware)
-    at_once = recipe_parallelism(params, cap, sweep=sweep or with_sweep(params))
+    placing = settled(params, cap, sweep=sweep or with_sweep(params))  # gpus_per_recipe as the plan settles it
+    at_once = recipe_parallelism(placing, cap, sweep=sweep or with_sweep(params))
     seen = gpus.visible(len(cap.gpu_bytes))
     runs = [(declared.name, item) for declared, item in planned(params, sweep_only=sweep)]
-    placed = tuple(gpus.layout(runs, params, seen, at_once).items()) if seen else ()
+    placed = tuple(gpus.layout(runs, placing, seen, at_once).items()) if seen else ()
     return params, Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
                        at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed)
 

@@ -327,8 +327,12 @@ def plan_command(
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON list of stage objects")] = False,
+    target: Annotated[str | None, typer.Option(
+        "--target", help="plan for this GPU node instead of this machine, e.g. 8xH100-80GB or 4xB200-180GB,2TiB-host "
+                         "[default: hardware.target]")] = None,
 ) -> None:
-    """Print each stage's estimated peak host and GPU memory, reading no weights; exit 2 if one cannot fit."""
+    """Print each stage's GPUs, estimated peak host and GPU memory, disk and time, reading no
+    weights; exit 2 if one cannot fit."""
     import json
 
     from qad_pipeline import memory
@@ -336,11 +340,13 @@ def plan_command(
     try:
         params = resolve_params(params_file, overrides, base_model)
         check_recipes(params)
-        cap = memory.capacity(params.hardware)
+        node = target or params.hardware.target
+        cap = memory.target_capacity(node) if node else memory.capacity(params.hardware)
         estimates = memory.plan(params, cap)
     except ConfigError as err:
         _fail(err)
-    typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json else memory.table(estimates, cap))
+    typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
+               else memory.table(estimates, cap, params))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

@@ -59,6 +59,16 @@ class HardwareParams(_Section):
     device_map: Literal["single", "auto"]
     max_memory: dict[str, str] | None = None
     host_memory_gb: float | None = Field(default=None, gt=0)
+    target: str | None = None  # the GPU node the stages run on when it is not this machine (qad_pipeline/targets.py)
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, text: str | None) -> str | None:
+        if text is not None:
+            from qad_pipeline.targets import parse
+
+            parse(text)
+        return text
 
     @field_validator("max_memory")
     @classmethod

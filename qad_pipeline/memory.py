@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qad_pipeline import gpus
+from qad_pipeline import costs, gpus
 from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
@@ -42,6 +42,8 @@ class StageEstimate:
     advice: str | None = None  # why it does not fit, and the knob to turn
     host_bytes_other: int = 0  # each of the other processes at once (QAD: ranks but the first)
     gpus: tuple[str, ...] = ()  # the GPUs it gets (its CUDA_VISIBLE_DEVICES: gpus.layout; qad: all its ranks')
+    disk_bytes: int = 0  # what it writes under the out-root, at its peak (qad_pipeline.costs)
+    seconds: float | None = None  # one process's estimated wall time (None: no GPU model to estimate for)
 
     @property
     def host_total(self) -> int:
@@ -59,6 +61,21 @@ class Capacity:
     device: str  # "cpu" | "cuda"
     host_bytes: int
     gpu_bytes: tuple[int, ...] = ()  # none seen on CUDA: the stages run elsewhere, nothing is checked
+    gpu_names: tuple[str, ...] = ()  # as the stage processes' CUDA_VISIBLE_DEVICES name them (default: this machine's)
+    bf16_flops: float | None = None  # per GPU, for the time estimate (a target's; unknown for this machine)
+    target: str | None = None  # the node planned for, when it is not this machine
+
+
+def target_capacity(text: str) -> Capacity:
+    """What a node described as `text` (`8xH100-80GB`, see qad_pipeline/targets.py) offers, HEADROOM applied."""
+    from qad_pipeline.targets import parse
+
+    try:
+        node = parse(text)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return Capacity("cuda", int(node.host_bytes * HEADROOM), (int(node.gpu_bytes * HEADROOM),) * node.count,
+                    tuple(str(i) for i in range(node.count)), node.bf16_flops, node.text)
 
 
 # -- what the machine has -------------------------------------------------------------------------
@@ -260,16 +277,35 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
             f"{largest} {_gib(est.terms[largest])} in its {est.phase} phase); use {where}")
 
 
+def settled(params: Params, cap: Capacity, sweep: bool = False) -> Params:
+    """`params` with `ptq.gpus_per_recipe: auto` settled for `device_map: auto` on GPUs: the fewest
+    GPUs over which every recipe (and sweep budget) fits without offloading to the host, else all."""
+    if params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto" or not cap.gpu_bytes:
+        return params
+    per_item = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
+    for k in range(1, len(cap.gpu_bytes)):
+        candidate = _with(params, "ptq.gpus_per_recipe", k)
+        estimates = [estimate(stage, candidate, cap) for stage in per_item]
+        if all(_why_not(e, cap, candidate) is None and "host:offloaded" not in e.terms for e in estimates):
+            return candidate
+    return _with(params, "ptq.gpus_per_recipe", len(cap.gpu_bytes))
+
+
 def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
-    """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit."""
+    """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit
+    (`ptq.gpus_per_recipe: auto` settled first: `settled`)."""
     cap = cap or capacity(params.hardware)
+    params = settled(params, cap, sweep=sweep_only or with_sweep(params))
     recipes_at_once = recipe_parallelism(params, cap, sweep=sweep_only or with_sweep(params))
     shape = model_shape(params.base_model)
     runs = [(declared.name, item) for declared, item in planned(params, sweep_only)]
-    placed = gpus.layout(runs, params, gpus.visible(len(cap.gpu_bytes)), recipes_at_once) if cap.gpu_bytes else {}
+    names = cap.gpu_names or gpus.visible(len(cap.gpu_bytes))
+    placed = gpus.layout(runs, params, names, recipes_at_once) if cap.gpu_bytes else {}
     out = []
     for stage in stages(params, sweep_only):
         est = estimate(stage, params, cap, shape)
+        est.disk_bytes = costs.disk_bytes(stage, params, shape)
+        est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops)
         est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
         est.gpus = placed.get(stage, ())
         why = _why_not(est, cap, params)
@@ -286,14 +322,45 @@ def check_fits(estimates: list[StageEstimate]) -> None:
             raise ConfigError(est.advice)
 
 
-def table(estimates: list[StageEstimate], cap: Capacity) -> str:
-    """The plan as a text table, then what this machine offers."""
+def run_seconds(estimates: list[StageEstimate]) -> float | None:
+    """The run's estimated wall time: the longest path through the stages' `after` edges, a
+    per-item stage taking its items in waves of `max_parallel` (None: no time estimate)."""
+    if any(e.seconds is None for e in estimates):
+        return None
+    took: dict[str, list[float]] = {}
+    for e in estimates:
+        took.setdefault(e.stage.split("/")[0], []).append(e.seconds)
+    at_once = {e.stage.split("/")[0]: e.max_parallel for e in estimates}
+    done: dict[str, float] = {}
+    for name, times in took.items():  # in the registry's order: every stage after the ones it waits for
+        waves = -(-len(times) // max(1, at_once[name])) if STAGES[name].per_recipe else 1
+        done[name] = max((done.get(a, 0.0) for a in STAGES[name].after), default=0.0) + waves * max(times)
+    return max(done.values())
+
+
+def time_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None = None) -> str:
+    """The plan as a text table, then what the machine (or target) offers, the disk and the time."""
     mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
-    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "fits")]
+    gib = lambda b: f"{b / GiB:,.1f}" if b else "-"  # noqa: E731
+    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "disk GiB", "time", "fits")]
     rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), gpus.shown(e.gpus), str(e.max_parallel),
-              "yes" if e.fits else "NO") for e in estimates]
+              gib(e.disk_bytes), time_text(e.seconds), "yes" if e.fits else "NO") for e in estimates]
     lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
     seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
-    lines.append(f"usable ({HEADROOM:.0%} of what is free): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; "
-                 f"the stages run on {cap.device}")
+    where = f"target {cap.target}" if cap.target else f"{HEADROOM:.0%} of what is free"
+    lines.append(f"usable ({where}): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; the stages run on {cap.device}")
+    lines.append(f"disk under the out-root: at most {sum(e.disk_bytes for e in estimates) / GiB:,.1f} GiB "
+                 "(every stage's peak, summed)")
+    total = run_seconds(estimates)
+    if total is not None:
+        left_out = costs.uncounted_tasks(params) if params is not None else []
+        lines.append(f"time: ~{time_text(total)} along the DAG (assumed MFU {costs.EVAL_MFU:.0%} forward, "
+                     f"{costs.TRAIN_MFU:.0%} QAD; see qad_pipeline/costs.py)"
+                     + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
     return "\n".join(lines)

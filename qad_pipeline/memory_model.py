@@ -100,6 +100,7 @@ class ModelShape:
     max_positions: int | None
     mamba_layers: int = 0
     mamba_scan: int = 0  # chunk size x heads of the widest Mamba-2 mixer
+    active_matrix_params: int = 0  # the matrix weights one token goes through (MoE: its experts only)
 
 
 # -- the model, from its config -------------------------------------------------------------------
@@ -124,15 +125,23 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
                   or getattr(text, "shared_expert_intermediate_size", None) or 0)
         ffn = max(ffn, text.num_experts_per_tok * text.moe_intermediate_size + shared)
     mamba = [m for m in model.modules() if "Mamba" in type(m).__name__ and hasattr(m, "chunk_size")]
+    # routed experts: a token goes through num_experts_per_tok of them (shared experts are not ".experts.")
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in f".{name}")
+    total = next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                  if isinstance(getattr(text, k, None), int)), 0)
+    per_token = getattr(text, "num_experts_per_tok", None) or total
+    idle = routed - routed * per_token // total if routed and total else 0
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()), matrix_params=sum(matrices),
         largest_matrix=max(matrices), layers=text.num_hidden_layers, hidden=text.hidden_size, ffn=ffn,
         vocab=text.vocab_size, max_positions=max_positions(text), mamba_layers=len(mamba),
         mamba_scan=max((m.chunk_size * m.num_heads for m in mamba), default=0),
+        active_matrix_params=sum(matrices) - idle,
     )
 
 
 def model_shape(base: BaseModelParams) -> ModelShape:
+    """The model's shapes from its config (`modeling.load_config`: offline for the profiles' models)."""
     return _shape(base.path, base.revision, base.trust_remote_code)
 
 

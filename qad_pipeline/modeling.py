@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from qad_pipeline.artifacts import folder_sha256
-from qad_pipeline.config import BaseModelParams, ConfigError, HardwareParams, looks_local, resolve
+from qad_pipeline.config import PROJECT_ROOT, BaseModelParams, ConfigError, HardwareParams, looks_local, resolve
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -51,8 +51,21 @@ def model_location(params: BaseModelParams) -> str:
     return params.path
 
 
+SHIPPED_CONFIGS = PROJECT_ROOT / "profiles" / "configs"  # <org>/<name>/config.json of the profiles' hub models
+
+
 def load_config(params: BaseModelParams):
+    """The model's config (no weights): a local folder's, a hub model's (from the hub's cache
+    first), or, for a hub model not in the cache whose config this project ships
+    (SHIPPED_CONFIGS: the profiles' models, for planning offline), that copy."""
     location = model_location(params)
+    shipped = SHIPPED_CONFIGS / params.path / "config.json"
+    if location == params.path and shipped.is_file() and params.revision is None:
+        try:
+            return AutoConfig.from_pretrained(location, trust_remote_code=params.trust_remote_code,
+                                              local_files_only=True)
+        except (OSError, ValueError):
+            return AutoConfig.from_pretrained(str(shipped.parent))
     try:
         return AutoConfig.from_pretrained(
             location, revision=params.revision, trust_remote_code=params.trust_remote_code

@@ -1,0 +1,106 @@
+"""Disk and wall time of each stage, from the model's shapes and the settings: the plan's
+`disk_bytes` and `seconds` (`qad-pipeline plan`, above all with `--target`).
+
+Disk, per stage, what it writes under the out-root (its peak, while it runs):
+
+    calibration   the token ids: (num_samples + ppl_samples) x seq_len x 8 (int64, Arrow)
+    baseline      the BF16 reference: ppl_samples x eval.seq_len positions x
+                  (kl_top_k + kl_tail_samples) x 8 (int32 id, float32 log-prob) + 4
+    ptq, sweep    the fake-quantized checkpoint: N x d (+ Nw/16 x 4 of static block scales)
+    qad           its resume checkpoint, student and AdamW state in float32 (N x 12), twice while a
+                  new one is written beside the last; then the student, N x d
+    export        NVFP4 everywhere: Nw x 4.5 / 8 (+ the input embeddings at d); a recipe that keeps
+                  layers in FP8 or BF16 writes more, up to the BF16 size
+    the rest      their JSON files (counted as 0)
+
+Wall time, per stage, FLOPs over a throughput: 2 x Na FLOPs per token for a forward, 8 x Na for
+a QAD token (the teacher's forward, the student's forward and backward), Na the matrix weights a
+token goes through (a MoE's routed experts: only its own). The throughput is the GPU's dense BF16
+peak (`targets.GPUS`) times a model-FLOPs utilisation: EVAL_MFU for forwards (calibration,
+evaluation), TRAIN_MFU for QAD, on `qad.num_gpus` GPUs at once. A recipe spread over several GPUs
+by `device_map: auto` runs them one after another (accelerate's pipeline): one GPU's throughput.
+Tokens: the calibration samples (PTQ), the evaluation's perplexity/KL windows and the project's
+lm-eval tasks (cloze: one request per item, continuation: four, each LM_EVAL_PROJECT_TOKENS);
+tasks from lm-eval's registry are NOT counted (their size is not known offline): the plan says so.
+The export is bounded by the disk: twice its bytes (written, read back) at DISK_BYTES_PER_S.
+Model Optimizer's MSE / four-over-six scale searches and AutoQuantize's scoring are not counted.
+These MFUs and the disk speed are assumptions, not measurements: nothing here has run on a GPU.
+"""
+
+from __future__ import annotations
+
+from qad_pipeline.config import Params, resolve
+from qad_pipeline.memory_model import DTYPE_BYTES, LM_EVAL_PROJECT_TOKENS, ModelShape, static_block_scales
+
+EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
+TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
+DISK_BYTES_PER_S = 2e9         # a local NVMe or a parallel filesystem (assumed)
+CONTINUATION_CHOICES = 4       # heldout_continuation: the true continuation and three swapped ones
+
+
+def _eval_tokens(params: Params) -> int:
+    """Tokens one evaluation runs through the model, the project's own tasks only."""
+    ev = params.eval
+    tokens = ev.ppl_samples * ev.seq_len
+    ours = resolve(ev.task_dir)
+    items = {"heldout_cloze": ev.num_cloze, "heldout_continuation": ev.num_continuation * CONTINUATION_CHOICES}
+    for task in ev.tasks:
+        if (ours / f"{task}.yaml").is_file() and task in items:
+            count = items[task] if ev.limit is None else min(items[task], int(ev.limit) * (
+                CONTINUATION_CHOICES if task == "heldout_continuation" else 1))
+            tokens += count * LM_EVAL_PROJECT_TOKENS
+    return tokens
+
+
+def uncounted_tasks(params: Params) -> list[str]:
+    """The eval tasks whose cost the plan leaves out (lm-eval's registry: unknown offline)."""
+    ours = resolve(params.eval.task_dir)
+    return [t for t in params.eval.tasks if not (ours / f"{t}.yaml").is_file()]
+
+
+def disk_bytes(stage: str, params: Params, shape: ModelShape) -> int:
+    """The peak bytes `stage` (`ptq/<recipe>`, `qad`, ...) writes under the out-root."""
+    name, _, item = stage.partition("/")
+    d = DTYPE_BYTES[params.base_model.dtype]
+    if name == "calibration":
+        return (params.calibration.num_samples + params.eval.ppl_samples) * params.calibration.seq_len * 8
+    if name == "baseline":
+        ev = params.eval
+        return ev.ppl_samples * ev.seq_len * ((ev.kl_top_k + ev.kl_tail_samples) * 8 + 4)
+    if name in ("ptq", "sweep"):
+        recipe = item if name == "ptq" else params.sweep.recipe
+        scales = shape.matrix_params // 16 * 4 if static_block_scales(params.recipe_path(recipe)) else 0
+        return shape.params * d + scales
+    if name == "qad":
+        return 2 * shape.params * 12 + shape.params * d
+    if name == "export":
+        return export_bytes(params, shape)
+    return 0
+
+
+def export_bytes(params: Params, shape: ModelShape) -> int:
+    embeddings = shape.params - shape.matrix_params
+    return shape.matrix_params * 9 // 16 + embeddings * DTYPE_BYTES[params.base_model.dtype]
+
+
+def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | None) -> float | None:
+    """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each
+    (None: no GPU to estimate for; 0: a stage that loads no model)."""
+    name = stage.partition("/")[0]
+    if bf16_flops is None:
+        return None
+    forward = 2 * shape.active_matrix_params  # FLOPs per token
+    per_gpu_eval = bf16_flops * EVAL_MFU
+    if name in ("baseline", "final_eval"):
+        return forward * _eval_tokens(params) / per_gpu_eval
+    if name in ("ptq", "sweep", "sweep_search"):
+        calib = params.calibration.num_samples * params.calibration.seq_len
+        evaluation = _eval_tokens(params) if name != "sweep_search" else 0
+        return forward * (calib + evaluation) / per_gpu_eval
+    if name == "qad":
+        q = params.qad
+        tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
+        return 4 * forward * tokens / (bf16_flops * TRAIN_MFU * q.num_gpus)
+    if name == "export":
+        return 2 * export_bytes(params, shape) / DISK_BYTES_PER_S
+    return 0.0

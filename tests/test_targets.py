@@ -1,0 +1,79 @@
+"""Planning for a node that is not this one (`qad-pipeline plan --target`, qad_pipeline/targets.py),
+on the real models' configs shipped in profiles/configs/ (no weights, no hub access)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from qad_pipeline import memory, targets
+from qad_pipeline.cli import app
+from qad_pipeline.config import PROJECT_ROOT, BaseModelParams, ConfigError, load_params
+from qad_pipeline.memory_model import model_shape
+
+PROFILE_8B = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
+
+
+def test_targets_are_read_with_their_defaults_and_bad_ones_name_the_form():
+    h100 = targets.parse("8xH100-80GB")
+    assert (h100.count, h100.gpu, h100.gpu_bytes, h100.host_bytes) == (8, "H100", 80 * 2**30, 8 * targets.HOST_PER_GPU)
+    b200 = targets.parse("4xB200-180GB,2TiB-host")
+    assert (b200.count, b200.gpu_bytes, b200.host_bytes, b200.host_given) == (4, 180 * 2**30, 2 * 2**40, True)
+    assert targets.parse("8xh200").gpu_bytes == 141 * 2**30
+    with pytest.raises(ValueError, match=r"unknown GPU 'V100'; known: A100, H100, H200, B200"):
+        targets.parse("8xV100-32GB")
+    with pytest.raises(ValueError, match=r"is not <count>x<GPU>\[-<memory>\]\[,<memory>-host\], e.g. 8xH100-80GB"):
+        targets.parse("eight H100s")
+    with pytest.raises(ConfigError, match=r"hardware.target .*unknown GPU 'H900'"):
+        load_params(PROFILE_8B, ["hardware.target=8xH900"])
+
+
+def test_the_shipped_configs_have_the_published_sizes():
+    sizes = {m: model_shape(BaseModelParams(path=m)) for m in
+             ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-30B-A3B", "nvidia/Nemotron-H-8B-Base-8K"]}
+    billions = {m: round(s.params / 1e9, 1) for m, s in sizes.items()}
+    assert billions == {"meta-llama/Llama-3.1-8B": 8.0, "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen3-30B-A3B": 30.5,
+                        "nvidia/Nemotron-H-8B-Base-8K": 8.1}
+    # a MoE token goes through 8 of its 128 experts: ~3B active matrix weights of 30.5B
+    assert 2.5e9 < sizes["Qwen/Qwen3-30B-A3B"].active_matrix_params < 3.5e9
+    assert sizes["nvidia/Nemotron-H-8B-Base-8K"].mamba_layers == 24
+
+
+def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_time():
+    result = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["stage"]: r for r in json.loads(result.output)}
+    recipes = [s for s in rows if s.startswith("ptq/")]
+    assert [rows[r]["gpus"] for r in recipes] == [["0"], ["1"], ["2"], ["3"]]
+    assert rows["qad"]["gpus"] == [str(i) for i in range(8)] and rows["qad"]["max_parallel"] == 8
+    # a fake-quantized BF16 checkpoint per recipe; QAD's float32 checkpoint with AdamW, twice
+    assert all(16e9 < rows[r]["disk_bytes"] < 18e9 for r in recipes)  # 8.0B x 2 bytes (+ block scales)
+    assert rows["qad"]["disk_bytes"] > 12 * 2 * 8e9
+    assert rows["qad"]["seconds"] > rows[recipes[0]]["seconds"] > 0 and rows["calibration"]["seconds"] == 0
+    text = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B)]).output
+    assert "usable (target 8xH100-80GB)" in text and "not counted: lm-eval tasks mmlu, gsm8k" in text
+
+
+def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():
+    moe = CliRunner().invoke(app, ["plan", "--params", str(PROJECT_ROOT / "profiles" / "qwen3-30b-a3b_8xb200.yaml")])
+    assert moe.exit_code == 0, moe.output
+    nemotron = load_params(PROFILE_8B, ["base_model.path=nvidia/Nemotron-H-8B-Base-8K"])
+    with pytest.raises(ConfigError, match=r"qad: qad.seq_len=8192 needs ~\d+.\d GiB per GPU, ~72.0 GiB is usable; "
+                                          r"the largest that fits is \d+"):
+        memory.check_fits(memory.plan(nemotron, memory.target_capacity("8xH100-80GB")))
+    bad = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B), "--target", "8xH100-80"])
+    assert bad.exit_code == 2 and "is not <count>x<GPU>" in bad.output
+
+
+def test_a_model_larger_than_a_gpu_gets_the_fewest_gpus_it_fits_on():
+    params = load_params(PROFILE_8B, ["base_model.path=Qwen/Qwen3-30B-A3B", "hardware.device_map=auto"])
+    assert memory.settled(params, memory.target_capacity("8xH100-80GB")).ptq.gpus_per_recipe == 2
+    assert memory.settled(params, memory.target_capacity("8xB200-180GB")).ptq.gpus_per_recipe == 1
+
+
+def test_readme_table_is_the_plan_of_the_shipped_configs():
+    out = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "plan_targets.py")], capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out in (PROJECT_ROOT / "README.md").read_text(), "README's plan table differs: run scripts/plan_targets.py"
