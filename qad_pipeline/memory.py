@@ -208,7 +208,8 @@ def _why_not(est: StageEstimate, cap: Capacity, params: Params) -> str | None:
     if cap.device == "cuda" and cap.gpu_bytes:
         needs = at_once if est.stage == "qad" else 1
         if needs > len(cap.gpu_bytes):
-            return f"runs on qad.num_gpus = {needs} GPUs, this machine sees {len(cap.gpu_bytes)}"
+            node = f"the target {cap.target} has" if cap.target else "this machine sees"
+            return f"runs on qad.num_gpus = {needs} GPUs, {node} {len(cap.gpu_bytes)}"
         if _gpus_holding(est.device_bytes, cap) < needs:
             return f"needs {_gib(est.device_bytes)} per GPU, {_gib(max(cap.gpu_bytes))} is usable"
     return None

@@ -47,7 +47,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
     recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
     and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
-    memory, the base model's weight files (headers and sizes, no tensors), and the calibration text
+    memory (without it, on GPU workers: against `hardware.target` when it is set), the base model's weight files (headers and sizes, no tensors), and the calibration text
     (exists, decodes, yields the samples asked for), and (with `serving`) that the serving check's
     vLLM environment exists when the export will run it. The BPE sweep's recipe and every budget
     against what its formats allow, when the run sweeps (`sweep`: the sweep's flow or one of its
@@ -57,7 +57,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     from qad_pipeline import tracking as mlflow_tracking
     from qad_pipeline.calibration_data import check_calibration
     from qad_pipeline.evaluation import check_tasks
-    from qad_pipeline.memory import check_fits, plan
+    from qad_pipeline.memory import check_fits, plan, target_capacity
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
     from qad_pipeline.recipes import check_recipe
     from qad_pipeline.stages import with_sweep
@@ -82,6 +82,8 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
             autoquant.check_recipe(params.recipe_path(params.sweep.recipe), params.sweep.budgets, params.base_model)
         if memory:
             check_fits(plan(params, sweep_only=sweep))  # the memory plan: refuses a setting that cannot fit, naming the knob
+        elif params.hardware.target:  # the stages run on GPU workers: plan for the node they are said to be
+            check_fits(plan(params, target_capacity(params.hardware.target), sweep_only=sweep))
         check_model_files(params.base_model)
         check_calibration(params, load_tokenizer(params.base_model))
     if serving and not sweep and params.export.source != "none" and params.export.serving_check != "skip":

@@ -77,3 +77,16 @@ def test_readme_table_is_the_plan_of_the_shipped_configs():
     out = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "plan_targets.py")], capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out in (PROJECT_ROOT / "README.md").read_text(), "README's plan table differs: run scripts/plan_targets.py"
+
+
+def test_a_deployment_run_is_checked_against_its_target_before_any_work(tmp_path):
+    """The run's own machine (a CPU-only control node) says nothing about its GPU workers;
+    hardware.target does: QAD on more GPUs than the node has is refused up front."""
+    from flows import runtime
+
+    overrides = ["hardware.device=cuda", "export.serving_check=skip", "hardware.target=1xH100-80GB", "qad.num_gpus=2"]
+    with pytest.raises(ConfigError, match=r"qad: runs on qad.num_gpus = 2 GPUs, the target 1xH100-80GB has 1"):
+        runtime.start_job(str(PROJECT_ROOT / "params.yaml"), overrides, str(tmp_path), "ptq-recipe/gpu", "gpu-stage/gpu")
+    params, job = runtime.start_job(str(PROJECT_ROOT / "params.yaml"), overrides[:-1], str(tmp_path), "ptq-recipe/gpu",
+                                    "gpu-stage/gpu")
+    assert job.gpus == ()  # the stages' GPUs are the workers' to hand out
