@@ -9,6 +9,11 @@ shuffle, into a calibration part and a held-out eval part that never share a doc
     <out>/eval/<task>.jsonl  the project's lm-eval tasks, built from held-out text
     <out>/manifest.json    source, document split, counts and content fingerprints
 
+A hub dataset is streamed at `calibration.revision` and read only until its documents hold
+HUB_MARGIN times the tokens the calibration samples and the eval windows need, whatever the
+dataset's size (`TokenBudget`); how many were read is the manifest's `documents`, which QAD reads
+again.
+
 QAD reads its training documents with the same readers, PTQ and evaluation read the stage's
 output back (`load_calibration`, `load_ppl_windows`). Everything is deterministic given the seed, so the fingerprints change only when the data does.
 `prepare_calibration` does all of it but the writing; the preflight (`check_calibration`) runs it
@@ -20,7 +25,9 @@ is refused with its name and the offset of the first bad byte (nothing is replac
 from __future__ import annotations
 
 import json
+import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +37,7 @@ import numpy as np
 from qad_pipeline.config import CalibrationParams, ConfigError, EvalParams, Params, looks_local, resolve
 
 CONTEXT_WORDS = 40
+HUB_MARGIN = 1.5  # a streamed hub dataset is read until it holds this many times the tokens asked for
 
 
 def check_utf8(files: list[str], what: str = "calibration.source") -> None:
@@ -45,8 +53,43 @@ def check_utf8(files: list[str], what: str = "calibration.source") -> None:
             ) from None
 
 
-def read_documents(params: CalibrationParams) -> list[str]:
-    """The source's documents, in a stable order, empty ones dropped."""
+class TokenBudget:
+    """Says when the documents read so far hold, for each (need, fraction), HUB_MARGIN x `need`
+    tokens (counted with `tokenizer`) in the share `fraction` of them that a seeded split gives the
+    part that needs them, and are enough documents for that share to hold ten on average."""
+
+    def __init__(self, tokenizer, needs: list[tuple[int, float]]):
+        self.tokenizer, self.needs, self.tokens, self.docs = tokenizer, needs, 0, 0
+        self.min_docs = max(2, math.ceil(10 / min(fraction for _, fraction in needs)))
+
+    def __call__(self, doc: str) -> bool:
+        self.tokens += len(self.tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1
+        self.docs += 1
+        return self.docs >= self.min_docs and all(self.tokens * f >= need * HUB_MARGIN for need, f in self.needs)
+
+
+def _streamed(params: CalibrationParams, field: str, enough: Callable[[str], bool] | None, limit: int | None
+              ) -> list[str]:
+    """A hub dataset's documents, streamed at `params.revision`, until `enough` or `limit` says stop."""
+    stream = datasets.load_dataset(params.source, params.dataset_config, split=params.split,
+                                   revision=params.revision, streaming=True)
+    docs: list[str] = []
+    for row in stream:
+        if field not in row:
+            raise ConfigError(f"calibration.text_field {field!r} is not a column of {params.source!r}: {list(row)}")
+        text = (row[field] or "").strip()
+        if not text:
+            continue
+        docs.append(text)
+        if len(docs) == limit or (enough is not None and enough(text)):
+            break
+    return docs
+
+
+def read_documents(params: CalibrationParams, enough: Callable[[str], bool] | None = None,
+                   limit: int | None = None) -> list[str]:
+    """The source's documents, in a stable order, empty ones dropped. A hub dataset is streamed and
+    read only until `enough` (told each document in turn) says so, or `limit` documents."""
     local = resolve(params.source)
     if local.is_dir():
         files = sorted(str(p) for p in local.rglob("*.txt"))
@@ -65,11 +108,13 @@ def read_documents(params: CalibrationParams) -> list[str]:
     elif looks_local(params.source):
         raise ConfigError(f"calibration.source {params.source!r} does not exist (a local path or a hub dataset id)")
     else:
-        ds = datasets.load_dataset(params.source, params.dataset_config, split=params.split)
-        field = params.text_field
-    if field not in ds.column_names:
+        ds, field = None, params.text_field
+    if ds is None:
+        docs = _streamed(params, field, enough, limit)
+    elif field not in ds.column_names:
         raise ConfigError(f"calibration.text_field {field!r} is not a column of {params.source!r}: {ds.column_names}")
-    docs = [t.strip() for t in ds[field] if t and t.strip()]
+    else:
+        docs = [t.strip() for t in ds[field] if t and t.strip()][:limit]
     if len(docs) < 2:
         raise ConfigError(
             f"calibration.source {params.source!r} has {len(docs)} non-empty document(s); "
@@ -171,7 +216,11 @@ def prepare_calibration(params: Params, tokenizer) -> CalibrationData:
     """Documents -> calibration samples + held-out eval data, nothing written."""
     cal: CalibrationParams = params.calibration
     ev: EvalParams = params.eval
-    docs = read_documents(cal)
+    enough = None
+    if not looks_local(cal.source):  # a hub dataset: stream it until the calibration and eval parts have enough
+        enough = TokenBudget(tokenizer, [(cal.num_samples * cal.seq_len, 1 - cal.eval_fraction),
+                                         (ev.ppl_samples * ev.seq_len, cal.eval_fraction)])
+    docs = read_documents(cal, enough)
     calib_idx, eval_idx = split_documents(len(docs), cal.eval_fraction, cal.seed)
     calib_docs = [docs[i] for i in calib_idx]
     eval_docs = [docs[i] for i in eval_idx]

@@ -86,6 +86,7 @@ class CalibrationParams(_Section):
     dataset_config: str | None = None
     split: str = "train"
     text_field: str = "text"
+    revision: str | None = None  # a hub dataset's branch, tag or commit (a DVC param: a new pin re-runs)
     num_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     eval_fraction: float = Field(gt=0, lt=1)

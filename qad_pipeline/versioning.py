@@ -16,13 +16,14 @@ The same is one command by hand: `dvc commit --force` in the project folder.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, Params, load_params
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, Params, load_params, looks_local
 from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
 
 
@@ -79,9 +80,10 @@ DVC_YAML_HEADER = """\
 #   dvc metrics diff / dvc params diff / dvc plots show
 #
 # Each stage lists the params.yaml keys it reads, its code (every project module it imports) and
-# its input data as dependencies, and everything it writes as outputs. The base model
-# (${base_model.path}) must be a local folder here; track it with `dvc add` (see README) so that
-# a new version is a DVC change. QAD with qad.source set reads that text too, which no stage
+# its input data as dependencies, and everything it writes as outputs. A local base model
+# (${base_model.path}) should be tracked with `dvc add` (see README) so that a new version is a
+# DVC change; a hub model or dataset is no path: its id and revision (params) stand for it, so pin
+# the revision. QAD with qad.source set reads that text too, which no stage
 # declares (its default, null, is no path): to track it, add "${qad.source}" to the qad stage's
 # inputs in qad_pipeline/stages.py and run `qad-pipeline dvc-yaml`, rather than edit this file.
 """
@@ -89,6 +91,16 @@ DVC_YAML_HEADER = """\
 
 def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=200).strip().removesuffix("\n...")
+
+
+def _hub_id(path: str, params: Params) -> bool:
+    """An input `${section.key}` whose value is a hub id (a dataset, a model): no path for DVC to
+    hash; its params (the id, its revision) are the stage's dependency instead."""
+    found = re.fullmatch(r"\$\{(\w+)\.(\w+)\}", path)
+    if not found:
+        return False
+    value = getattr(getattr(params, found[1]), found[2])
+    return isinstance(value, str) and not looks_local(value)
 
 
 def dvc_stages(params: Params) -> list[Stage]:
@@ -118,7 +130,8 @@ def dvc_yaml(params: Params | None = None) -> str:
             pad += "  "
         lines.append(f"{pad}cmd: {' '.join(stage.command(recipe))}")
         code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]
-        lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *(fill(i, recipe) for i in stage.inputs if i not in absent)])]
+        inputs = [fill(i, recipe) for i in stage.inputs if i not in absent and not _hub_id(i, params)]
+        lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *inputs])]
         lines += [f"{pad}params:", *(f"{pad}  - {key}" for key in stage.params)]
         for kind in ("outs", "metrics", "plots"):
             outputs = [o for o in stage.outputs if o.kind == kind]

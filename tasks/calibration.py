@@ -33,6 +33,7 @@ def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
         cont_bytes = write_jsonl(tmp / "eval" / "heldout_continuation.jsonl", data.cont)
         manifest = CalibrationManifest(
             source=cal.source,
+            revision=cal.revision,
             documents=data.documents,
             calibration_documents=data.calib_idx,
             eval_documents=data.eval_idx,

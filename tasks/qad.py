@@ -105,15 +105,18 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
 
 def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
     """QAD training text at qad.seq_len: the calibration documents unless qad.source is set."""
-    from qad_pipeline.calibration_data import read_documents, token_windows
+    from qad_pipeline.calibration_data import TokenBudget, read_documents, token_windows
+    from qad_pipeline.config import looks_local
 
-    cal = params.calibration
-    if params.qad.source is None:
-        docs = read_documents(cal)
+    cal, q = params.calibration, params.qad
+    if q.source is None:  # the documents the calibration stage read (a hub dataset: its first ones)
         manifest = read_result(Path(data_dir) / "manifest.json", CalibrationManifest)
+        docs = read_documents(cal, limit=manifest.documents)
         docs = [docs[i] for i in manifest.calibration_documents]
-    else:
-        docs = read_documents(cal.model_copy(update={"source": params.qad.source}))
+    else:  # a hub dataset is read until it holds the tokens of every step once
+        enough = None if looks_local(q.source) else TokenBudget(
+            tokenizer, [(q.steps * q.batch_size * q.grad_accum * q.seq_len, 1.0)])
+        docs = read_documents(cal.model_copy(update={"source": q.source}), enough)
     windows = token_windows(docs, tokenizer, params.qad.seq_len)
     if len(windows) < params.qad.batch_size:
         raise ConfigError(

@@ -33,3 +33,43 @@ def test_build_is_deterministic_and_fingerprinted(demo_model_path, tmp_path):
         "calibration.num_samples=8", "calibration.seq_len=64", "calibration.seed=1",
         "eval.num_cloze=20", "eval.num_continuation=10", "eval.ppl_samples=4"]), tok, tmp_path / "c")
     assert other["calibration"]["fingerprint"] != first["calibration"]["fingerprint"]
+
+
+def test_a_hub_dataset_is_streamed_at_its_revision_and_read_only_as_far_as_needed(demo_model_path, tmp_path,
+                                                                                monkeypatch):
+    """No hub here: `datasets.load_dataset` is replaced by a stream of the demo's documents, 50
+    times over, that counts what was read."""
+    from qad_pipeline import calibration_data
+    from qad_pipeline.versioning import dvc_yaml
+    from tasks.qad import training_windows
+
+    texts = [p.read_text() for p in sorted((demo_model_path.parent.parent / "data" / "heldout").glob("*.txt"))]
+    calls = []
+
+    def load_dataset(source, config=None, split=None, revision=None, streaming=False):
+        calls.append({"source": source, "config": config, "split": split, "revision": revision,
+                      "streaming": streaming, "read": 0})
+
+        def rows():
+            for i in range(50 * len(texts)):
+                calls[-1]["read"] += 1
+                yield {"article": texts[i % len(texts)], "id": i}
+        return rows()
+
+    monkeypatch.setattr(calibration_data.datasets, "load_dataset", load_dataset)
+    tok = AutoTokenizer.from_pretrained(demo_model_path)
+    hub = ["calibration.source=org/news", "calibration.dataset_config=3.0.0", "calibration.text_field=article",
+           "calibration.revision=abc123", "calibration.num_samples=8", "calibration.seq_len=64",
+           "eval.num_cloze=20", "eval.num_continuation=10", "eval.ppl_samples=4", "qad.seq_len=64"]
+    params = load_params(overrides=hub)
+    manifest = build_calibration(params, tok, tmp_path / "data")
+    first = calls[0]
+    assert (first["source"], first["config"], first["revision"], first["streaming"]) == (
+        "org/news", "3.0.0", "abc123", True)
+    assert first["read"] == manifest["documents"] < 50 * len(texts) // 10  # stopped early
+    assert manifest["revision"] == "abc123" and len(load_calibration(tmp_path / "data")) == 8
+    # QAD on the calibration documents reads the same first documents again, no more
+    windows = training_windows(params, tok, tmp_path / "data")
+    assert calls[1]["read"] == manifest["documents"] and len(windows) >= params.qad.batch_size
+    # a hub id is no path for DVC: the calibration stage depends on its params (id, revision) only
+    assert "${calibration.source}" not in dvc_yaml(params) and "${calibration.source}" in dvc_yaml(load_params())

@@ -22,7 +22,8 @@ class HeldOutSet(Strict):
 
 class CalibrationManifest(Strict):  # artifacts/calibration/manifest.json (tasks/calibration.py)
     source: str
-    documents: int
+    revision: str | None = None  # a hub dataset's, as pinned in calibration.revision
+    documents: int  # documents read (a hub dataset: the first ones of its stream, until enough tokens)
     calibration_documents: list[int]
     eval_documents: list[int]
     calibration: CalibrationSet
