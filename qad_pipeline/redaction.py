@@ -25,6 +25,7 @@ SECRET_WORD = re.compile(r"^(hf|api|access|auth|bearer|client|private|refresh|se
                          r"(token|secrets?|password|passwd|pwd|key|credentials?)$")
 NAME_WORDS = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 MIN_SECRET_LENGTH = 6  # environment values shorter than this are not scrubbed out of text
+SHELL_PATHS = {"PWD"}  # the shell's working directory: named like a password, never one
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/@\s:]*(?::[^/@\s]*)?@")
 
 
@@ -36,10 +37,14 @@ def is_secret_name(key: str) -> bool:
     return bool(words) and SECRET_WORD.search(words[-1]) is not None
 
 
+def _secret_variable(name: str, value: str) -> bool:
+    return name not in SHELL_PATHS and is_secret_name(name) and bool(value) and len(value) >= MIN_SECRET_LENGTH
+
+
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values of environment variables named like secrets, longest first."""
     env = os.environ if environ is None else environ
-    values = {v for k, v in env.items() if is_secret_name(k) and v and len(v) >= MIN_SECRET_LENGTH}
+    values = {v for k, v in env.items() if _secret_variable(k, v)}
     return sorted(values, key=len, reverse=True)
 
 
@@ -54,7 +59,7 @@ def secret_in(text: str) -> str | None:
     """What secret `text` holds, named without its value (an environment variable's name, or URL
     credentials); None when it holds none."""
     for name, value in sorted(os.environ.items()):
-        if is_secret_name(name) and value and len(value) >= MIN_SECRET_LENGTH and value in text:
+        if _secret_variable(name, value) and value in text:
             return f"the value of ${name}"
     if URL_CREDENTIALS.search(text):
         return "credentials in a URL (user:password@)"

@@ -71,3 +71,14 @@ def test_redact_rules(monkeypatch):
     assert {k: tracking.redact(k, v) for k, v in flat.items()} == {"env.HF_TOKEN": "***", "env.n": "1", "a": "[1, 2]"}
     nested = {"nested": [{"password": "p"}, f"x{AWS_SECRET}"]}
     assert tracking.redact_data(nested) == {"nested": [{"password": "***"}, "x***"]}
+
+
+def test_the_shells_working_directory_is_no_password(monkeypatch, tmp_path):
+    """$PWD is named like a password (pwd); a path under it in a param is neither refused nor scrubbed."""
+    from qad_pipeline.config import PROJECT_PARAMS, load_params
+
+    monkeypatch.setenv("PWD", str(tmp_path))
+    monkeypatch.setenv("DB_PWD", "hunter2-secret")
+    assert str(tmp_path) not in tracking.secret_values() and "hunter2-secret" in tracking.secret_values()
+    assert tracking.redact("base_model.path", f"{tmp_path}/model") == f"{tmp_path}/model"
+    load_params(PROJECT_PARAMS, [f"qad.source={tmp_path}/text"])  # refused before: "holds the value of $PWD"
