@@ -12,7 +12,10 @@ device `--device` names (params.yaml's defaults with `hardware.device` set to it
             Triton/CUDA ones (CUDA only)
   then for the demo model and a ~100M-parameter Llama built from a config (random weights):
   build, calibration, baseline, ptq:<recipe> for every recipe, forward (fake-quantized vs BF16
-  forward time, each PTQ checkpoint restored), selection, qad (a few steps), export
+  forward time, each PTQ checkpoint restored), selection, the BPE sweep at two budgets
+  (sweep_search, sweep:<budget>, bpe_sweep), qad (a few steps: tokens/s and model-FLOPs
+  utilisation against the GPU's dense BF16 peak), final_eval, export (its serving check only where
+  a vLLM environment exists: this machine has none unless QAD_VLLM_ENV points at one; it says so)
 
 Each stage prints its wall time, its peak GPU memory and what it measured; a stage whose inputs
 failed is skipped. When QAD fails, export runs on the PTQ student so that it is checked anyway.
@@ -40,6 +43,19 @@ from gpu_check_harness import Check, Result  # noqa: E402
 # --tiny (the CPU dry run): the tests' settings (tests/conftest.py TINY) and a small Llama
 TINY_LLAMA = {"layers": 2, "hidden": 256, "vocab": 8192}
 QAD_STEPS = 20  # enough steps for a tokens/s figure past the first step's warm-up
+SWEEP_BUDGETS = "[5.0, 6.5]"  # two points of the BPE sweep
+
+
+def bf16_peak(device: str) -> float | None:
+    """The dense BF16 FLOP/s of this machine's GPU, when qad_pipeline.targets knows it by name."""
+    if device != "cuda":
+        return None
+    import torch
+
+    from qad_pipeline.targets import GPUS
+
+    name = torch.cuda.get_device_name()
+    return next((flops for gpu, (_, flops) in GPUS.items() if gpu in name.upper()), None)
 
 
 def import_project() -> None:
@@ -267,30 +283,51 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     selected = check.run(tag, "selection", selection, bool(ptq_ok))
     student = selected or (ptq_ok[0] if ptq_ok else None)
 
+    def stage(name: str, item: str | None = None):
+        from qad_pipeline.stages import STAGES
+
+        return lambda: (True, STAGES[name].run(params, layout, item) or "done")
+
+    searched = check.run(tag, "sweep_search", stage("sweep_search"), calibrated) is not None
+    points = [budget for budget in params.sweep.points
+              if check.run(tag, f"sweep:{budget}", stage("sweep", budget), searched, based) is not None]
+    check.run(tag, "bpe_sweep", stage("bpe_sweep"), bool(points))
+
     def qad():
         from tasks.qad import run_qad
+
+        from qad_pipeline.memory_model import model_shape
 
         r = run_qad(params, layout.ptq(student) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
         tokens_s = r["steps_per_second"] * r["tokens_per_step"]
         chosen = "" if selected else " (none selected: the first PTQ result)"
+        # a QAD token: the teacher's forward (2 Na) and the student's forward and backward (6 Na)
+        peak = bf16_peak(params.hardware.device)
+        mfu = (f"MFU {tokens_s * 8 * model_shape(params.base_model).active_matrix_params / peak:.1%} of "
+               f"{peak / 1e12:.0f} TFLOP/s" if peak else "MFU n/a (no known GPU peak)")
         return r, (f"student {student}{chosen}, {r['steps']} steps, {tokens_s:.0f} tokens/s (first step included), "
-                   f"KD loss {r['first_loss']:.4g} -> {r['final_loss']:.4g}")
+                   f"{mfu}, KD loss {r['first_loss']:.4g} -> {r['final_loss']:.4g}")
 
     trained = check.run(tag, "qad", qad, student is not None) is not None
+    check.run(tag, "final_eval", stage("final_eval"), trained)
 
     def export():
+        from qad_pipeline.serving import vllm_env
         from tasks.export import run_export
 
         source = "QAD student"
-        exporting = params
+        extra = [] if (vllm_env() / "bin" / "python").is_file() else ["export.serving_check=skip"]
+        serving = ("serving check skipped: no vLLM environment here (QAD_VLLM_ENV)" if extra
+                   else f"serving check in {vllm_env()}")
+        exporting = load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}", *extra])
         if not trained:  # export the PTQ student instead, so that export is checked on this device anyway
-            exporting = load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}",
+            exporting = load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}", *extra,
                                                      f"export.source=ptq/{student}"])
             source = f"PTQ student {student} (QAD failed)"
         m = run_export(exporting, layout)
         reload = m["checks"]["reload"]
         return m, (f"{source}: {m['size_bytes'] / 1e6:.2f} MB, x{m['size_ratio']:.2f} vs bf16, "
-                   f"{m['effective_bpe']:.3f} bpe, reload KL {reload['kl_divergence']:.2e}")
+                   f"{m['effective_bpe']:.3f} bpe, reload KL {reload['kl_divergence']:.2e}; {serving}")
 
     check.run(tag, "export", export, student is not None)
     exported = read_result(layout.export_metrics, ExportMetrics, missing_ok=True)
@@ -327,11 +364,11 @@ def main() -> int:
         else:
             check.run("-", "parity", lambda: parity_stage(work), env_ok)
         overrides = [f"hardware.device={args.device}", f"qad.steps={QAD_STEPS}",
-                     f"qad.checkpoint_every={QAD_STEPS // 2}", "qad.warmup_steps=2"]
+                     f"qad.checkpoint_every={QAD_STEPS // 2}", "qad.warmup_steps=2", f"sweep.budgets={SWEEP_BUDGETS}"]
         if args.tiny:
             from tests.conftest import TINY
 
-            overrides = [*TINY, f"hardware.device={args.device}"]
+            overrides = [*TINY, f"hardware.device={args.device}", f"sweep.budgets={SWEEP_BUDGETS}"]
         if args.recipes:
             overrides.append(f"ptq.recipes=[{', '.join(args.recipes)}]")
         for tag in args.models:
