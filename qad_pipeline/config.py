@@ -120,6 +120,25 @@ class PTQParams(_Section):
         return names
 
 
+class TaskSettings(_Section):
+    """How lm-eval runs one task (`eval.task_settings.<task>`), as lm-eval's own options name them."""
+
+    num_fewshot: int | None = Field(default=None, ge=0)  # None: the task's own
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False  # the few-shot examples as user/assistant turns (needs the chat template)
+    gen_kwargs: dict[str, Any] | None = None  # generation settings of a generate_until task (max_gen_toks, ...)
+    metric: str | None = None  # the metric that counts; None: the task's first
+    filter: str | None = None  # the filter whose value counts (GSM8K: strict-match); None: the first
+    limit: int | None = Field(default=None, gt=0)  # items of this task; None: eval.limit
+
+    @field_validator("fewshot_as_multiturn")
+    @classmethod
+    def _needs_chat(cls, multiturn: bool, info) -> bool:
+        if multiturn and not info.data.get("apply_chat_template"):
+            raise ValueError("fewshot_as_multiturn needs apply_chat_template: true")
+        return multiturn
+
+
 class EvalParams(_Section):
     tasks: list[str] = Field(min_length=1)
     task_dir: str
@@ -131,6 +150,18 @@ class EvalParams(_Section):
     seq_len: int = Field(gt=0)
     kl_top_k: int = Field(gt=0)
     kl_tail_samples: int = Field(ge=0)
+    task_settings: dict[str, TaskSettings] = {}  # per task: few-shot, chat template, generation, metric, filter
+
+    @field_validator("task_settings")
+    @classmethod
+    def _listed(cls, settings: dict[str, TaskSettings], info) -> dict[str, TaskSettings]:
+        unlisted = sorted(set(settings) - set(info.data.get("tasks") or []))
+        if unlisted:
+            raise ValueError(f"task_settings for {unlisted}, which eval.tasks does not list")
+        return settings
+
+    def settings(self, task: str) -> TaskSettings:
+        return self.task_settings.get(task) or TaskSettings()
 
 
 class SelectionParams(_Section):

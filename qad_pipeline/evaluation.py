@@ -5,7 +5,10 @@
 * every task in `eval.tasks` through lm-eval's harness (`simple_evaluate`). A name with a YAML
   file in `eval.task_dir` is one of the project's tasks, read from the held-out jsonl that the
   calibration stage wrote; any other name is looked up in lm-eval's own task registry.
-  The task's first listed metric is its score.
+  `eval.task_settings.<task>` sets its few-shot count, chat template (few-shot as multi-turn),
+  generation settings and item limit (tasks with the same settings share one `simple_evaluate`
+  call), and the metric and filter that count; without them, the task's first listed metric
+  under its first filter is its score.
 * perplexity over the held-out token windows (a task whose lower value is better);
 * KL divergence to the BF16 model's next-token distribution, read from the reference that the
   baseline wrote (`qad_pipeline.reference`: top-k log-probs + rest mass, streamed).
@@ -53,21 +56,31 @@ def check_tasks(params: EvalParams) -> None:
         raise ConfigError(f"unknown eval task(s) {unknown}: not in {task_dir} ({ours}) nor in lm-eval's registry")
 
 
-def primary_score(task: str, results: dict, higher: dict, metric_order: list[str]) -> dict:
-    """{"metric", "value", "higher_is_better", "all"} for one task of lm-eval's results."""
+def primary_score(task: str, results: dict, higher: dict, metric_order: list[str], metric: str | None = None,
+                  filter_name: str | None = None) -> dict:
+    """{"metric", "filter", "value", "higher_is_better", "all"} for one task of lm-eval's results
+    (keyed "metric,filter"): `metric` under `filter_name` when given, else the task's first listed
+    metric (`metric_order`) under its first filter."""
     values = {
-        k.split(",")[0]: v
+        tuple(k.split(",", 1)): float(v)
         for k, v in results.items()
-        if "," in k and "_stderr" not in k and isinstance(v, (int, float))
+        if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     if not values:
         raise RuntimeError(f"lm-eval returned no numeric metric for task {task!r}: {results}")
-    metric = next((m for m in metric_order if m in values), next(iter(values)))
+    names = [m for m, _ in values]
+    chosen = metric or next((m for m in metric_order if m in names), names[0])
+    pairs = [(m, f) for m, f in values if m == chosen and (filter_name is None or f == filter_name)]
+    if not pairs:
+        raise ConfigError(f"eval.task_settings.{task}: lm-eval reports no {chosen!r}"
+                          + (f" under filter {filter_name!r}" if filter_name else "")
+                          + f"; it reports {sorted(','.join(p) for p in values)}")
     return {
-        "metric": metric,
-        "value": float(values[metric]),
-        "higher_is_better": bool(higher.get(metric, True)),
-        "all": {k: float(v) for k, v in values.items()},
+        "metric": chosen,
+        "filter": pairs[0][1],
+        "value": values[pairs[0]],
+        "higher_is_better": bool(higher.get(chosen, True)),
+        "all": {",".join(p): v for p, v in values.items()},
     }
 
 
@@ -77,29 +90,47 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
     from lm_eval.tasks import TaskManager
 
     task_dir = resolve(params.task_dir)
-    specs, metric_orders = [], {}
+    specs, metric_orders = {}, {}
     for name in params.tasks:
         cfg = project_task_config(name, task_dir, eval_dir)
-        specs.append(cfg if cfg is not None else name)
+        specs[name] = cfg if cfg is not None else name
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
     # lm-eval's registry is indexed (~9 s, ~15,000 YAML files) only for a task of its own: the
     # project's tasks come as whole configs
-    registry = TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs))
+    registry = TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs.values()))
     from qad_pipeline.modeling import input_device
 
     # lm-eval takes the model where it is (a spread model's inputs go to its first device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
-    out = simple_evaluate(
-        model=lm, tasks=specs, task_manager=registry, limit=params.limit, log_samples=True, bootstrap_iters=0,
-        verbosity="WARNING",
-    )
+    out: dict[str, dict] = {"results": {}, "higher_is_better": {}, "samples": {}, "configs": {}}
+    for (fewshot, chat, multiturn, gen, limit), names in _by_settings(params).items():
+        run = simple_evaluate(
+            model=lm, tasks=[specs[n] for n in names], task_manager=registry, limit=limit, num_fewshot=fewshot,
+            apply_chat_template=chat, fewshot_as_multiturn=multiturn, gen_kwargs=dict(gen) if gen else None,
+            log_samples=True, bootstrap_iters=0, verbosity="WARNING",
+        )
+        for key in out:
+            out[key].update(run.get(key) or {})
     scores = {}
     for name in params.tasks:
+        chosen = params.settings(name)
         scores[name] = primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}),
-                                     metric_orders[name])
+                                     metric_orders[name], chosen.metric, chosen.filter)
         scores[name]["items"] = task_items(out["samples"].get(name, []), scores[name]["metric"],
-                                           scores[name]["value"])
+                                           scores[name]["value"], scores[name]["filter"])
     return scores
+
+
+def _by_settings(params: EvalParams) -> dict[tuple, list[str]]:
+    """The tasks grouped by the settings of one `simple_evaluate` call (few-shot, chat template,
+    multi-turn, generation, limit), in `eval.tasks` order."""
+    groups: dict[tuple, list[str]] = {}
+    for name in params.tasks:
+        s = params.settings(name)
+        gen = tuple(sorted(s.gen_kwargs.items())) if s.gen_kwargs else None
+        key = (s.num_fewshot, s.apply_chat_template, s.fewshot_as_multiturn, gen, s.limit or params.limit)
+        groups.setdefault(key, []).append(name)
+    return groups
 
 
 def item_value(metric: str, value) -> float | None:
@@ -116,13 +147,16 @@ def item_value(metric: str, value) -> float | None:
     return None
 
 
-def task_items(samples: list[dict], metric: str, score: float) -> dict | None:
-    """The task's per-item values of `metric` (lm-eval's logged samples, by doc id), with how they
-    aggregate into `score`; None when they do not (a corpus-level metric such as BLEU)."""
+def task_items(samples: list[dict], metric: str, score: float, filter_name: str | None = None) -> dict | None:
+    """The task's per-item values of `metric` under `filter_name` (lm-eval's logged samples, by doc
+    id), with how they aggregate into `score`; None when they do not (a corpus-level metric such
+    as BLEU)."""
     from qad_pipeline.recovery import item_aggregation
 
     by_filter: dict[str, list] = {}
     for sample in samples:
+        if filter_name is not None and sample.get("filter", "none") != filter_name:
+            continue
         value = item_value(metric, sample.get(metric))
         if value is not None:
             by_filter.setdefault(sample.get("filter", "none"), []).append((sample["doc_id"], value))

@@ -15,9 +15,10 @@ class TaskScore(Strict):
     compared with BF16 (qad_pipeline/recovery.py: score_recovery, which runs on dumped dicts)."""
 
     metric: str
+    filter: str | None = None  # the lm-eval filter whose value counts (GSM8K: strict-match or flexible-extract)
     value: float
     higher_is_better: bool
-    all: dict[str, float] | None = None  # every numeric metric lm-eval returned (perplexity: none)
+    all: dict[str, float] | None = None  # every numeric metric lm-eval returned, as "metric,filter" (perplexity: none)
     recovery: float | None = None  # not for a task whose BF16 score is 0
     recovery_ci: tuple[float, float] | None = None
 
