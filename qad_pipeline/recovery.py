@@ -84,6 +84,22 @@ def recovery_intervals(
     without paired items (another aggregation, or items missing) stays at its point recovery in
     every resample, so it narrows nothing it cannot vouch for: its own interval is its point.
     """
+
+    task_ci, medians = _draws(quantized_items, baseline_items, baseline, per_task, iters, seed, level)
+    return task_ci, _percentiles(medians, level)
+
+
+def median_draws(scores: dict, items: dict | None, baseline: dict, baseline_items: dict | None):
+    """The bootstrap resamples of a scored model's median recovery (BOOTSTRAP_SEED): two models
+    scored on the same items get the same resampled items in each draw, so the difference of their
+    draws is the paired bootstrap of the difference of their median recoveries."""
+    per_task = recoveries(scores["tasks"], baseline["tasks"])
+    return _draws(items or {}, baseline_items or {}, baseline["tasks"], per_task, BOOTSTRAP_ITERS, BOOTSTRAP_SEED,
+                  LEVEL)[1]
+
+
+def _draws(quantized_items, baseline_items, baseline, per_task, iters, seed, level):
+    """(per-task intervals, the median recovery's resamples): see `recovery_intervals`."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -105,8 +121,7 @@ def recovery_intervals(
         ratio = np.nan_to_num(ratio, nan=point, posinf=point)
         draws.append(ratio)
         task_ci[task] = _percentiles(ratio, level)
-    medians = np.median(np.stack(draws, axis=1), axis=1)
-    return task_ci, _percentiles(medians, level)
+    return task_ci, np.median(np.stack(draws, axis=1), axis=1)
 
 
 def _percentiles(samples, level: float) -> list[float]:

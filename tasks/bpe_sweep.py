@@ -4,7 +4,10 @@ Reads every sweep point (`artifacts/sweep/<budget>/`) and every fixed recipe tha
 (`artifacts/ptq/<recipe>/`), scores each against the BF16 baseline exactly as selection does
 (median recovery with its bootstrap interval, `tasks/selection.py: recipe_metrics`), and chooses
 the knee with a pure rule (`choose_knee`): the smallest budget beyond which median recovery gains
-less than `sweep.knee_epsilon` per added bit (Model Optimizer's effective bits, the budget's axis). Writes
+less than `sweep.knee_epsilon` per added bit (Model Optimizer's effective bits, the budget's axis),
+judged on the lower end of each gain's paired-bootstrap interval (every point is scored on the same
+eval items, so the same resampled items in each draw), not on point estimates that move with the
+eval's noise. Writes
 `metrics/bpe_sweep.json` (points, knee and its reason, the eval's noise), `metrics/bpe_curve.json`
 (DVC's plot) and `artifacts/bpe_sweep/pareto.png` (median recovery against bits per element,
 every point labelled).
@@ -14,11 +17,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
+
 from qad_pipeline.artifacts import read_json, staged_dir
 from qad_pipeline.config import Params
 from qad_pipeline.layout import Layout
-from qad_pipeline.results.base import read_result, write_result
-from qad_pipeline.results.scores import BaselineMetrics, SweepSearch
+from qad_pipeline.recovery import LEVEL, median_draws
+from qad_pipeline.results.base import dump_result, read_result, write_result
+from qad_pipeline.results.scores import BaselineMetrics, PTQResult, SweepSearch
 from qad_pipeline.results.selection import RecipeMetrics, RecoveryPoint
 from qad_pipeline.results.sweep import BPECurve, BPESweep, Knee, SweepPoint
 from tasks.selection import recipe_metrics
@@ -34,30 +40,52 @@ def bits(p: SweepPoint) -> float:
     return p.searched_effective_bits if p.searched_effective_bits is not None else p.effective_bpe
 
 
-def choose_knee(points: list[SweepPoint], epsilon: float) -> Knee:
+def _gain(point: SweepPoint, other: SweepPoint, draws: dict[str, np.ndarray]) -> tuple[float, float | None]:
+    """(the gain in median recovery per added bit from `point` to `other`, the lower end of its
+    paired-bootstrap interval: None without both points' resamples)."""
+    step = bits(other) - bits(point)
+    gain = (other.median_recovery - point.median_recovery) / step
+    if point.name not in draws or other.name not in draws:
+        return gain, None
+    low = float(np.percentile((draws[other.name] - draws[point.name]) / step, 100 * (1 - LEVEL) / 2))
+    return gain, low
+
+
+def choose_knee(points: list[SweepPoint], epsilon: float, draws: dict[str, np.ndarray] | None = None) -> Knee:
     """The knee of the curve: the least-bits point from which no point with more bits gains at
-    least `epsilon` median recovery per added bit (`bits`). A flat curve's knee is its first point;
+    least `epsilon` median recovery per added bit (`bits`) beyond the noise: with each point's
+    bootstrap resamples (`draws`, paired: `recovery.median_draws`), a gain counts by the lower end
+    of its interval; without them, by its point estimate. A flat curve's knee is its first point;
     one that keeps gaining, its last. Comparing against every later point (not only the next)
     keeps one noisy dip from ending the search early."""
     if not points:
         return Knee(name=None, budget=None, reason="no sweep point ran, so there is no curve")
+    draws = draws or {}
     ranked = sorted(points, key=lambda p: (bits(p), -p.median_recovery))
     for i, point in enumerate(ranked):
-        gains = [((q.median_recovery - point.median_recovery) / (bits(q) - bits(point)), q)
-                 for q in ranked[i + 1:] if bits(q) > bits(point)]
-        steepest = max(gains, default=None, key=lambda g: g[0])
+        gains = [(*_gain(point, q, draws), q) for q in ranked[i + 1:] if bits(q) > bits(point)]
+        counted = [(low if low is not None else gain, gain, low, q) for gain, low, q in gains]
+        steepest = max(counted, default=None, key=lambda g: g[0])
         if steepest is not None and steepest[0] >= epsilon:
             continue
         here = (f"{point.name} ({bits(point):.3f} bits over the searched layers, {point.effective_bpe:.3f} per "
                 f"element of the whole model, median recovery {_pts(point.median_recovery)} %)")
         if steepest is None:
             beyond = "no point has more bits" if i == 0 else "it is the point with the most bits"
+        elif steepest[2] is None:
+            beyond = (f"beyond it the steepest gain is {_pts(steepest[1])} points of median recovery per added bit "
+                      f"(to {steepest[3].name}), below ε = {_pts(epsilon)}")
         else:
-            beyond = (f"beyond it the steepest gain is {_pts(steepest[0])} points of median recovery per added bit "
-                      f"(to {steepest[1].name}), below ε = {_pts(epsilon)}")
+            beyond = (f"beyond it no gain is at least ε = {_pts(epsilon)} points of median recovery per added bit "
+                      f"beyond the noise: the steepest, to {steepest[3].name}, is {_pts(steepest[1])} with the "
+                      f"lower end of its {int(LEVEL * 100)} % paired interval at {_pts(steepest[0])}")
         before = "" if i == 0 else (f"; from every point with fewer bits, going further still gains at least "
                                     f"{_pts(epsilon)} points per added bit")
-        flat = " (the curve is flat from its first point)" if i == 0 and steepest is not None else ""
+        flat = ""
+        if i == 0 and steepest is not None:
+            within = all(low is not None and low <= 0 for _, _, low, _ in counted)
+            flat = (" (the curve is flat within the noise from its first point: no point with more bits is better "
+                    "beyond its interval)" if within else " (the curve is flat from its first point)")
         return Knee(name=point.name, budget=point.budget, reason=f"{here}: {beyond}{before}{flat}.")
     raise AssertionError("unreachable: the last point always qualifies")
 
@@ -84,6 +112,13 @@ def sweep_point(metrics: RecipeMetrics, kind: str) -> SweepPoint:
                                       if len(layer.costs) > 1)) if searched else {})
 
 
+def _resamples(folder, baseline: BaselineMetrics, baseline_items: dict | None) -> np.ndarray:
+    """A scored point's median-recovery bootstrap resamples (paired with every other point's)."""
+    scores = dump_result(read_result(folder / "scores.json", PTQResult))
+    items = read_json(folder / "items.json") if (folder / "items.json").is_file() else None
+    return median_draws(scores, items, dump_result(baseline), baseline_items)
+
+
 def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
     """Stage core: the curve (sweep points and fixed recipes), the knee, the plot."""
     from qad_pipeline.plots import bpe_sweep_plot
@@ -91,7 +126,7 @@ def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)
     items = layout.items("baseline")
     baseline_items = read_json(items) if items.is_file() else None
-    points, failed, seconds = [], [], {}
+    points, failed, seconds, draws = [], [], {}, {}
     for budget in params.sweep.points:
         name = params.sweep.point(budget)
         metrics = recipe_metrics(name, layout.sweep(budget), baseline, baseline_items)
@@ -99,6 +134,7 @@ def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
             failed.append(name)
             continue
         points.append(sweep_point(metrics, "sweep"))
+        draws[name] = _resamples(layout.sweep(budget), baseline, baseline_items)
         seconds[name] = metrics.timing_s["total"]
     fixed = []
     for recipe in params.ptq.recipes:
@@ -110,7 +146,7 @@ def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
     seconds["sweep (search + points)"] = (search.seconds if search else 0.0) + sum(seconds.values())
     wobble = noise(points)
     sweep = BPESweep(recipe=params.sweep.recipe, points=sorted(points, key=lambda p: p.budget), fixed=fixed,
-                     knee=choose_knee(points, params.sweep.knee_epsilon), knee_epsilon=params.sweep.knee_epsilon,
+                     knee=choose_knee(points, params.sweep.knee_epsilon, draws), knee_epsilon=params.sweep.knee_epsilon,
                      noise=wobble, monotone_within_noise=monotone_within(points, wobble), failed=failed,
                      search_s=search.seconds if search else None, seconds=seconds)
     write_result(layout.bpe_sweep_metrics, sweep)

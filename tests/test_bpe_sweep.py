@@ -184,3 +184,47 @@ def test_kl_div_scoring_searches_to_the_budget_too():
     assert state["method"] == "kl_div"
     assert autoquant.bits_of(autoquant.layer_map(state)) == pytest.approx(autoquant.searched_bits(state))
     assert autoquant.searched_bits(state) <= 5.0
+
+
+def _noisy_curve(seed: int, wrong: dict[float, float]):
+    """A sweep on 400 pass/fail items: each point fails a baseline-passed item with probability
+    `wrong[bits]`, drawn with `seed` (one eval run); its scores, items and paired resamples."""
+    import numpy as np
+
+    from qad_pipeline.recovery import median_draws
+
+    rng = np.random.default_rng(seed)
+    base_values = (np.arange(400) % 5 != 0).astype(float)  # 80 % right
+    baseline = {"tasks": {"t": {"value": base_values.mean(), "higher_is_better": True}}}
+    base_items = {"t": {"aggregation": "mean", "ids": list(range(400)), "values": base_values.tolist()}}
+    points, draws = [], {}
+    for b, p in wrong.items():
+        values = base_values * (rng.random(400) >= p)
+        scores = {"tasks": {"t": {"value": values.mean(), "higher_is_better": True}}}
+        items = {"t": {"aggregation": "mean", "ids": list(range(400)), "values": values.tolist()}}
+        recovery = values.mean() / base_values.mean()
+        points.append(point(b, recovery))
+        draws[f"r@{b}"] = median_draws(scores, items, baseline, base_items)
+    return points, draws
+
+
+def test_the_knee_does_not_move_with_the_eval_noise():
+    """A curve flat within the noise (every point loses ~3 % of the items, drawn afresh in each of
+    ten runs): on point estimates the knee moves between runs; on the paired intervals it is the
+    first point every time, and the reason says the curve is flat within the noise."""
+    flat = {5.0: 0.03, 5.5: 0.03, 6.5: 0.03, 8.0: 0.03}
+    on_points, on_intervals = set(), set()
+    for seed in range(10):
+        points, draws = _noisy_curve(seed, flat)
+        on_points.add(choose_knee(points, epsilon=0.002).name)
+        knee = choose_knee(points, epsilon=0.002, draws=draws)
+        on_intervals.add(knee.name)
+        assert "flat within the noise" in knee.reason
+    assert len(on_points) > 1 and on_intervals == {"r@5.0"}
+
+
+def test_a_gain_beyond_the_noise_still_moves_the_knee():
+    # 5.0 loses 25 % of the items, 6.5 and 8.0 lose 2 %: a gain of ~15 points per bit, far beyond the noise
+    points, draws = _noisy_curve(0, {5.0: 0.25, 6.5: 0.02, 8.0: 0.02})
+    knee = choose_knee(points, epsilon=0.01, draws=draws)
+    assert knee.name == "r@6.5" and "paired interval" in knee.reason
