@@ -1,20 +1,27 @@
 """The `watch-base-checkpoints` flow: `prefect deployment run watch-base-checkpoints/cron` (it runs on a cron schedule).
 
-Each tick looks for base checkpoints it has not seen and starts the pipeline deployment once for
-each, without waiting for it:
+Each tick looks for base checkpoints it has not seen in its `sources` and starts the pipeline
+deployment once for each, without waiting for it, with the params file and overrides of the
+source that found it (`flows/watch_sources.py`: the parameters and how each run's are made):
 
-    local folders (watch_dir) ──┐
-                                ├── new identities ── run_deployment(deployment) ── state file
-    hub ids (newest revision) ──┘
+    sources: folders (watch_dir) ──┐                       params_file + overrides of the source
+                                   ├── new identities ── run_deployment(deployment) ── state file
+             hub ids (newest rev.) ┘
 
-- A local checkpoint is an immediate subfolder of `watch_dir`. It is picked up when it holds
-  `config.json`, holds no file ending in `.incomplete` or `.tmp` (downloads and copies in
+- A local checkpoint is an immediate subfolder of a source's `watch_dir`. It is picked up when it
+  holds `config.json`, holds no file ending in `.incomplete` or `.tmp` (downloads and copies in
   progress) and none of its files has changed for `settle_seconds`. Its identity is the sha256
   that the pipeline's baseline records for it (`qad_pipeline.artifacts.folder_sha256`: the
-  relative path and bytes of every file, in sorted order), so a copy of a seen checkpoint is seen,
-  and a changed file makes a new checkpoint.
+  relative path and bytes of every file, in sorted order), so a copy of a seen checkpoint is seen
+  (whichever source finds it), and a changed file makes a new checkpoint.
 - A hub checkpoint is `<hub id>@<commit sha>` of the id's newest revision; the run pins that
   revision with the override `base_model.revision=<sha>`.
+
+Before it looks, a tick checks every source (its params file and overrides validated with the
+pipeline's own models); before it starts anything, every run's parameters, the deployment's
+default overrides included. A bad value fails the tick with one line naming the source, and
+nothing starts. `watch_dir` and `hub_model_ids`, the older parameters, are sources with
+`params.yaml` and no overrides.
 
 Each run writes under its own `runs_root/<model slug>-<first 12 hex of the identity's hash>`, so
 runs on different base models never share outputs.
@@ -27,9 +34,10 @@ To run a seen checkpoint again, start the deployment by hand (removing its entry
 not enough while its old flow run exists: Prefect hands that run back for the same key). A failed
 trigger is not recorded: it is retried on the next tick, and the watcher's own run fails naming it.
 
-`base_model` is the folder's absolute path as the watcher sees it, so the pipeline's workers must
-see `watch_dir` at the same path; `out_root` is `runs_root/<name>` as given, so a relative
-`runs_root` lands in the pipeline run's working directory.
+`base_model` and `params_file` reach the run as absolute paths as the watcher sees them, so the
+pipeline's workers must see the watched folders and the params files at the same paths (the
+image's own files and the shared volume are); `out_root` is `runs_root/<name>` as given, so a
+relative `runs_root` lands in the pipeline run's working directory.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, NamedTuple
@@ -50,7 +58,9 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from pydantic import Field
 
+from flows.watch_sources import WatchedSource, check_run, check_sources, legacy_sources, run_parameters
 from qad_pipeline.artifacts import folder_sha256, list_files, read_json, write_json
+from qad_pipeline.config import ConfigError
 from qad_pipeline.runlock import flocked
 
 FLOW_NAME = "watch-base-checkpoints"
@@ -73,10 +83,11 @@ class Checkpoint:
     """One base checkpoint as the pipeline receives it."""
 
     name: str  # the folder's name or the hub id; its slug names the run folder
-    base_model: str  # the pipeline's `base_model` parameter: a folder path or a hub id
+    base_model: str  # the run's base_model.path: a folder path or a hub id
     identity: str  # "sha256:<hex>" for a folder, "<hub id>@<commit sha>" for a hub revision
     fingerprint: str  # the hex in the identity; its first 12 characters name the run folder
-    overrides: tuple[str, ...] = ()
+    revision: str | None = None  # the hub revision the run pins
+    source: WatchedSource | None = None  # the source that found it: its params file and overrides
 
     @property
     def run_name(self) -> str:
@@ -146,31 +157,36 @@ def latest_hub_revision(model_id: str) -> str:
 
 
 def hub_checkpoint(model_id: str, sha: str) -> Checkpoint:
-    return Checkpoint(model_id, model_id, f"{model_id}@{sha}", sha, (f"base_model.revision={sha}",))
+    return Checkpoint(model_id, model_id, f"{model_id}@{sha}", sha, revision=sha)
 
 
 def find_checkpoints(
-    watch_dir: str | None, hub_model_ids: list[str] | None, settle_seconds: float, state: dict
+    sources: list[WatchedSource], settle_seconds: float, state: dict
 ) -> tuple[list[Checkpoint], list[str], list[dict]]:
-    """Every checkpoint there is now, why some folders wait, and the hub ids that could not be looked up.
+    """Every checkpoint the sources hold now (each with its source), in source order, why some
+    folders wait, and the hub ids that could not be looked up.
 
     Replaces the state's folder cache with the folders seen now.
     """
-    found, waiting, failed = [], [], []
-    if watch_dir:
-        scan = scan_folder(Path(watch_dir), settle_seconds, state["folders"])
-        state["folders"] = scan.cache
-        found, waiting = scan.checkpoints, scan.waiting
-    for model_id in hub_model_ids or []:
+    found, waiting, failed, cache = [], [], [], {}
+    for source in sources:
+        if source.watch_dir:
+            scan = scan_folder(Path(source.watch_dir), settle_seconds, state["folders"])
+            cache.update(scan.cache)
+            found += [replace(ckpt, source=source) for ckpt in scan.checkpoints]
+            waiting += scan.waiting
+            continue
         try:
-            found.append(hub_checkpoint(model_id, latest_hub_revision(model_id)))
+            found.append(replace(hub_checkpoint(source.hub_id, latest_hub_revision(source.hub_id)), source=source))
         except Exception as err:  # noqa: BLE001  (one unreachable id must not stop the others)
-            failed.append({"base_model": model_id, "error": f"hub lookup failed: {err}"})
+            failed.append({"base_model": source.hub_id, "error": f"hub lookup failed: {err}"})
+    state["folders"] = cache
     return found, waiting, failed
 
 
 def new_checkpoints(found: list[Checkpoint], state: dict) -> list[Checkpoint]:
-    """The checkpoints whose identity the state has not recorded, each identity once."""
+    """The checkpoints whose identity the state has not recorded, each identity once (the first
+    source's: a copy of one checkpoint in two folders starts one run)."""
     fresh: dict[str, Checkpoint] = {}
     for ckpt in found:
         if ckpt.identity not in state["seen"]:
@@ -218,14 +234,51 @@ def state_lock(state_path: Path) -> Iterator[None]:
         yield
 
 
-def trigger(ckpt: Checkpoint, deployment: str, runs_root: str) -> dict:
-    """Start one run of `deployment` for `ckpt`, without waiting for it; returns the state's record.
+def deployment_overrides(deployment: str) -> list[str]:
+    """The `overrides` the deployment gives its runs by default, which the watcher's runs keep."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            found = client.read_deployment_by_name(deployment)
+    except ObjectNotFound:
+        raise WatcherError(f"deployment {deployment!r} not found on the Prefect server") from None
+    except Exception as err:  # an unreachable server, ...: report, retry next tick
+        raise WatcherError(f"cannot read deployment {deployment!r}: {err}") from err
+    return list((found.parameters or {}).get("overrides") or [])
+
+
+def plan_runs(
+    fresh: list[Checkpoint], deployment: str, runs_root: str
+) -> tuple[list[tuple[Checkpoint, dict]], list[dict]]:
+    """Each new checkpoint's run parameters (`watch_sources.run_parameters`), all checked before any
+    run starts: a bad one raises a one-line `ConfigError` naming its source. When the deployment
+    cannot be read, every checkpoint is returned as failed instead (retried next tick)."""
+    if not fresh:
+        return [], []
+    try:
+        defaults = deployment_overrides(deployment)
+    except WatcherError as err:
+        return [], [{"base_model": c.base_model, "identity": c.identity, "error": str(err)} for c in fresh]
+    runs = []
+    for ckpt in fresh:
+        out_root = (Path(runs_root) / ckpt.run_name).as_posix()
+        parameters = run_parameters(ckpt.source, ckpt.base_model, ckpt.revision, defaults, out_root)
+        try:
+            check_run(ckpt.source, parameters)
+        except ConfigError as err:  # the source alone passed check_sources: the deployment's defaults are in it
+            raise ConfigError(f"{err} (with {deployment}'s default overrides {defaults})") from None
+        runs.append((ckpt, parameters))
+    return runs, []
+
+
+def trigger(ckpt: Checkpoint, deployment: str, parameters: dict) -> dict:
+    """Start one run of `deployment` for `ckpt` with `parameters`, without waiting for it; returns
+    the state's record.
 
     The run is not linked as a subflow: cancelling a watcher run must not cancel the pipeline
     runs it started. The idempotency key makes a repeated trigger return the same flow run.
     """
-    out_root = (Path(runs_root) / ckpt.run_name).as_posix()
-    parameters = {"base_model": ckpt.base_model, "overrides": list(ckpt.overrides), "out_root": out_root}
     try:
         run = run_deployment(
             deployment, parameters=parameters, timeout=0, as_subflow=False, flow_run_name=ckpt.run_name,
@@ -238,12 +291,13 @@ def trigger(ckpt: Checkpoint, deployment: str, runs_root: str) -> dict:
     return {
         "flow_run_id": str(run.id), "flow_run_name": run.name, "deployment": deployment,
         "triggered_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "base_model": ckpt.base_model, "out_root": out_root,
+        "base_model": ckpt.base_model, "params_file": parameters["params_file"], "out_root": parameters["out_root"],
     }
 
 
 @flow(name=FLOW_NAME)
 def watch_base_checkpoints(
+    sources: list[WatchedSource] | None = None,
     watch_dir: str | None = None,
     hub_model_ids: list[str] | None = None,
     deployment: Annotated[str, Field(pattern=r"^[^/]+/[^/]+$")] = "qad-pipeline/default",
@@ -251,28 +305,32 @@ def watch_base_checkpoints(
     runs_root: str = "runs",
     settle_seconds: Annotated[float, Field(ge=0)] = 60,
 ) -> dict:
-    """Start `deployment` once for each base checkpoint (folder under `watch_dir`, hub id) not seen before.
+    """Start `deployment` once for each base checkpoint not seen before, with its source's params.
 
+    `sources`: [{"watch_dir": folder | "hub_id": id, "params_file": path, "overrides": [...]}, ...]
+    (`flows/watch_sources.py`); `watch_dir` and `hub_model_ids` add sources with params.yaml.
     Returns {"seen": checkpoints found now, "triggered": the new records, "failed": what could not
     be triggered, "waiting": folders not picked up yet}. When anything failed, the run fails at the
     end with a WatcherError naming each failure (its `summary` is that dict); the rest still ran.
     """
-    if not watch_dir and not hub_model_ids:
-        raise ValueError("give watch_dir, hub_model_ids or both: there is nothing to watch")
-    if watch_dir and not Path(watch_dir).is_dir():
-        raise ValueError(f"watch_dir {watch_dir} is not a folder")
+    watched = [*(sources or []), *legacy_sources(watch_dir, hub_model_ids)]
+    if not watched:
+        raise ValueError("give sources (or watch_dir, hub_model_ids): there is nothing to watch")
+    check_sources(watched)  # a bad params file or override: one line, before anything is looked up
     logger = get_run_logger()
     state_path = Path(state_file)
     with state_lock(state_path):
         state = load_state(state_path)
-        found, waiting, failed = find_checkpoints(watch_dir, hub_model_ids, settle_seconds, state)
+        found, waiting, failed = find_checkpoints(watched, settle_seconds, state)
         for reason in waiting:
             logger.info("not yet: %s", reason)
+        runs, unreadable = plan_runs(new_checkpoints(found, state), deployment, runs_root)
+        failed += unreadable
 
         triggered = []
-        for ckpt in new_checkpoints(found, state):
+        for ckpt, parameters in runs:
             try:
-                record = trigger(ckpt, deployment, runs_root)
+                record = trigger(ckpt, deployment, parameters)
             except WatcherError as err:
                 logger.error("%s: %s; it is retried on the next tick", ckpt.base_model, err)
                 failed.append({"base_model": ckpt.base_model, "identity": ckpt.identity, "error": str(err)})
@@ -280,8 +338,8 @@ def watch_base_checkpoints(
             state["seen"][ckpt.identity] = record
             save_state(state_path, state)
             triggered.append({"identity": ckpt.identity, **record})
-            logger.info("%s: started %s (flow run %s) writing to %s",
-                        ckpt.identity, deployment, record["flow_run_name"], record["out_root"])
+            logger.info("%s: started %s (flow run %s) with %s writing to %s", ckpt.identity, deployment,
+                        record["flow_run_name"], record["params_file"], record["out_root"])
         save_state(state_path, state)
 
     logger.info("%d checkpoint(s) found, %d started, %d failed, %d waiting; state in %s",

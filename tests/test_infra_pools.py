@@ -164,7 +164,13 @@ def test_flow_outputs_land_on_the_shared_volume():
     for dep in (yaml.safe_load(path.read_text()) or {}).get("deployments") or []:
         pool = (dep.get("work_pool") or {}).get("name")
         values = flow_defaults(dep["entrypoint"]) | (dep.get("parameters") or {})
-        for key in ("out_root", "state_file", "runs_root", "watch_dir"):
-            if isinstance(values.get(key), str):
-                assert on_volume(pool, values[key]), (
-                    f"prefect.yaml {dep['name']}: {key}={values[key]!r} is not on the shared volume in {pool}'s pods")
+        paths = [(key, values.get(key)) for key in ("out_root", "state_file", "runs_root", "watch_dir")]
+        paths += [("sources[].watch_dir", source.get("watch_dir")) for source in values.get("sources") or []]
+        for key, value in paths:
+            if isinstance(value, str):
+                assert on_volume(pool, value), (
+                    f"prefect.yaml {dep['name']}: {key}={value!r} is not on the shared volume in {pool}'s pods")
+        for source in values.get("sources") or []:  # resolved in the image's working directory, on every pod
+            params_file = source.get("params_file", "params.yaml")
+            assert params_file.startswith("/") or (ROOT / params_file).is_file(), (
+                f"prefect.yaml {dep['name']}: params_file {params_file!r} is not in the image's working directory")

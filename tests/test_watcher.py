@@ -1,141 +1,34 @@
-"""The watch-base-checkpoints flow: which checkpoints start a pipeline run, and how many times.
+"""The watch-base-checkpoints flow: which checkpoints start a pipeline run, how many times, and
+with which parameters (the folder rules without a server: tests/test_watcher_folders.py; the
+sources' checks and parameters: tests/test_watch_sources.py).
 
 The flow runs against a temporary Prefect server (one for the module) and starts a stub
-deployment that needs no worker: the runs it creates stay Scheduled, and the tests count them
-and read their parameters back from the server. No test contacts the Hugging Face hub.
+deployment that needs no worker, with the real pipeline flow's parameter schema: the runs it
+creates stay Scheduled, and the tests count them and read their parameters back from the server.
+No test contacts the Hugging Face hub.
 """
 
-import hashlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from flows import watcher
-from flows.watcher import WatcherError, load_state, scan_folder, slug, state_lock, watch_base_checkpoints
+from flows.watcher import WatcherError, load_state, watch_base_checkpoints
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
+from tests.test_watch_sources import write_profile
+from tests.test_watcher_folders import expected_sha256, write_checkpoint
 
 STUB_FLOW = "qad-pipeline-stub"
 SHA_A, SHA_B = "a" * 40, "b" * 40
+PARAMS = str(PROJECT_PARAMS)  # the params file of a source that names none: params.yaml, made absolute
 
 
-def pipeline_parameters(base_model: str, overrides: list[str], out_root: str):
-    """The parameters the watcher passes; the stub deployment enforces this schema."""
-
-
-def write_checkpoint(folder: Path, weights: bytes = b"\x00\x01" * 64) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "name": folder.name}))
-    (folder / "model.safetensors").write_bytes(weights)
-    (folder / "tokenizer").mkdir()
-    (folder / "tokenizer" / "tokenizer.json").write_text("{}")
-    return folder
-
-
-def expected_sha256(folder: Path) -> str:
-    """The documented identity, computed here independently: relative path + bytes, sorted."""
-    digest = hashlib.sha256()
-    for rel in ["config.json", "model.safetensors", "tokenizer/tokenizer.json"]:
-        digest.update(rel.encode() + (folder / rel).read_bytes())
-    return digest.hexdigest()
-
-
-def set_age(folder: Path, seconds: float) -> None:
-    past = time.time() - seconds
-    for p in [folder, *folder.rglob("*")]:
-        os.utime(p, (past, past))
-
-
-# --- the folder rules, without a server ---------------------------------------------------------
-
-
-def test_only_settled_complete_folders_are_picked_up(tmp_path):
-    incoming = tmp_path / "incoming"
-    ready = write_checkpoint(incoming / "ready")
-    fresh = write_checkpoint(incoming / "fresh")
-    downloading = write_checkpoint(incoming / "downloading")
-    (downloading / "model-00002.safetensors.incomplete").write_bytes(b"x")
-    copying = write_checkpoint(incoming / "copying")
-    (copying / "tokenizer" / "vocab.json.tmp").write_bytes(b"x")
-    (incoming / "no-config").mkdir()
-    (incoming / "no-config" / "model.safetensors").write_bytes(b"x")
-    write_checkpoint(incoming / ".staging")
-    (incoming / "notes.txt").write_text("not a folder")
-    for folder in incoming.iterdir():
-        if folder.is_dir() and folder != fresh:
-            set_age(folder, 120)
-
-    scan = scan_folder(incoming, settle_seconds=60, cache={})
-    assert [c.name for c in scan.checkpoints] == ["ready"]
-    assert scan.checkpoints[0].base_model == str(ready)
-    assert scan.checkpoints[0].identity == f"sha256:{expected_sha256(ready)}"
-    assert list(scan.cache) == [str(ready)]
-    why = "\n".join(scan.waiting)
-    for name, reason in [("fresh", "changed 0s ago"), ("downloading", ".incomplete"),
-                         ("copying", "vocab.json.tmp"), ("no-config", "no config.json")]:
-        assert f"{name}: " in why and reason in why
-    assert ".staging" not in why
-
-    later = scan_folder(incoming, settle_seconds=60, cache={}, now=time.time() + 61)
-    assert [c.name for c in later.checkpoints] == ["fresh", "ready"]
-
-
-def test_an_unchanged_folder_is_not_read_again(tmp_path, monkeypatch):
-    folder = write_checkpoint(tmp_path / "incoming" / "m")
-    hashed = []
-    real = watcher.folder_sha256
-    monkeypatch.setattr(watcher, "folder_sha256", lambda f, files: hashed.append(f) or real(f, files))
-
-    first = scan_folder(tmp_path / "incoming", 0, {})
-    again = scan_folder(tmp_path / "incoming", 0, json.loads(json.dumps(first.cache)))  # as stored
-    assert len(hashed) == 1 and again.checkpoints == first.checkpoints
-
-    set_age(folder, 30)  # touched, same bytes: read again, same identity
-    touched = scan_folder(tmp_path / "incoming", 0, again.cache)
-    assert len(hashed) == 2 and touched.checkpoints[0].identity == first.checkpoints[0].identity
-
-    (folder / "model.safetensors").write_bytes(b"\x02" * 100)
-    changed = scan_folder(tmp_path / "incoming", 0, touched.cache)
-    assert len(hashed) == 3 and changed.checkpoints[0].identity == f"sha256:{expected_sha256(folder)}"
-    assert changed.checkpoints[0].identity != first.checkpoints[0].identity
-
-
-def test_identity_is_the_hash_the_pipeline_records(tmp_path):
-    """The watcher's identity equals the baseline's base_model.sha256, so runs and lineage agree."""
-    from qad_pipeline.config import BaseModelParams
-    from qad_pipeline.modeling import checkpoint_identity
-
-    folder = write_checkpoint(tmp_path / "incoming" / "m")
-    (folder / "a.txt").write_text("sorts between 'a' dirs and files")
-    (folder / "a").mkdir()
-    (folder / "a" / "b.bin").write_bytes(b"\x07")
-    (folder / ".cache").mkdir()
-    (folder / ".cache" / "meta").write_text("hidden files count too")
-    [ckpt] = scan_folder(tmp_path / "incoming", 0, {}).checkpoints
-    assert ckpt.fingerprint == checkpoint_identity(BaseModelParams(path=str(folder)))["sha256"]
-
-
-def test_state_is_never_silently_reset_and_one_run_at_a_time(tmp_path):
-    state_file = tmp_path / "seen.json"
-    assert load_state(state_file) == {"seen": {}, "folders": {}}
-    state_file.write_text('{"seen": {')
-    with pytest.raises(WatcherError, match="cannot read the watcher state"):
-        load_state(state_file)
-
-    busy = r"another watch-base-checkpoints run \(pid \d+ .*\) holds"
-    with state_lock(state_file), pytest.raises(WatcherError, match=busy), state_lock(state_file):
-        pass
-    with state_lock(state_file):  # released
-        pass
-
-
-def test_run_folder_names():
-    assert slug("nvidia/Nemotron-H-8B-Base-8K") == "nvidia-nemotron-h-8b-base-8k"
-    assert slug("My Model (v2)") == "my-model-v2"
-    assert watcher.hub_checkpoint("org/M", SHA_A).run_name == "org-m-aaaaaaaaaaaa"
+def path_override(folder) -> str:
+    return f"base_model.path={json.dumps(str(folder))}"
 
 
 # --- the flow against a Prefect server ------------------------------------------------------------
@@ -157,19 +50,26 @@ def prefect_flow_id():
         yield client.create_flow_from_name(STUB_FLOW)
 
 
-@pytest.fixture
-def deployment(prefect_flow_id, request):
-    """A fresh stub deployment per test ("flow/name", id), so each test counts only its own runs."""
+def make_deployment(flow_id, name: str, parameters: dict | None = None) -> tuple[str, object]:
+    """A stub deployment ("flow/name", id) enforcing the pipeline flow's own parameter schema."""
     from prefect.client.orchestration import get_client
     from prefect.utilities.callables import parameter_schema
 
-    name = request.node.name.removeprefix("test_")
-    schema = parameter_schema(pipeline_parameters).model_dump_for_openapi()
+    from flows.pipeline import qad_pipeline as pipeline_flow
+
+    schema = parameter_schema(pipeline_flow.fn).model_dump_for_openapi()
     with get_client(sync_client=True) as client:
         deployment_id = client.create_deployment(
-            prefect_flow_id, name=name, parameter_openapi_schema=schema, enforce_parameter_schema=True
+            flow_id, name=name, parameters=parameters or {}, parameter_openapi_schema=schema,
+            enforce_parameter_schema=True,
         )
     return f"{STUB_FLOW}/{name}", deployment_id
+
+
+@pytest.fixture
+def deployment(prefect_flow_id, request):
+    """A fresh stub deployment per test ("flow/name", id), so each test counts only its own runs."""
+    return make_deployment(prefect_flow_id, request.node.name.removeprefix("test_"))
 
 
 def flow_runs(deployment_id) -> list:
@@ -205,17 +105,19 @@ def test_each_new_folder_checkpoint_starts_one_run(tmp_path, deployment):
     assert watch_base_checkpoints(**params) == {"seen": 0, "triggered": [], "failed": [], "waiting": []}
     assert flow_runs(deployment_id) == []
 
-    # (2) a checkpoint starts one run, with its folder, no overrides and its own output root
+    # (2) a checkpoint starts one run, with params.yaml, its folder as the only override and its own output root
     a = write_checkpoint(incoming / "Model-A")
     sha_a = expected_sha256(a)
     summary = watch_base_checkpoints(**params)
     [run] = flow_runs(deployment_id)
     assert run.state.is_scheduled() and run.parent_task_run_id is None  # not a subflow of the watcher
     assert run.name == f"model-a-{sha_a[:12]}"
-    assert run.parameters == {"base_model": str(a), "overrides": [], "out_root": f"{runs_root}/model-a-{sha_a[:12]}"}
+    assert run.parameters == {"params_file": PARAMS, "overrides": [path_override(a)], "base_model": None,
+                              "out_root": f"{runs_root}/model-a-{sha_a[:12]}"}
     record = json.loads(state_file.read_text())["seen"][f"sha256:{sha_a}"]
     assert record["flow_run_id"] == str(run.id) and record["flow_run_name"] == run.name
     assert record["base_model"] == str(a) and record["out_root"] == run.parameters["out_root"]
+    assert record["params_file"] == PARAMS
     assert record["triggered_at"] and record["deployment"] == name
     assert summary["seen"] == 1 and summary["triggered"] == [{"identity": f"sha256:{sha_a}", **record}]
 
@@ -236,7 +138,7 @@ def test_each_new_folder_checkpoint_starts_one_run(tmp_path, deployment):
     assert new_a["base_model"] == str(a) and new_a["identity"] == f"sha256:{expected_sha256(a)}" != f"sha256:{sha_a}"
 
     runs = flow_runs(deployment_id)
-    assert [r.parameters["base_model"] for r in runs] == [str(a), str(b), str(c), str(a)]
+    assert [r.parameters["overrides"] for r in runs] == [[path_override(f)] for f in (a, b, c, a)]
     out_roots = [r.parameters["out_root"] for r in runs]
     assert len(set(out_roots)) == 4 and all(Path(o).parent == runs_root for o in out_roots)
     seen = json.loads(state_file.read_text())["seen"]
@@ -256,12 +158,73 @@ def test_each_new_hub_revision_starts_one_run(tmp_path, deployment, monkeypatch)
     assert len(watch_base_checkpoints(**params)["triggered"]) == 1
 
     assert [r.parameters for r in flow_runs(deployment_id)] == [
-        {"base_model": "org/Model-A", "overrides": [f"base_model.revision={sha}"],
-         "out_root": f"runs/org-model-a-{sha[:12]}"}
+        {"params_file": PARAMS, "overrides": ['base_model.path="org/Model-A"', f'base_model.revision="{sha}"'],
+         "base_model": None, "out_root": f"runs/org-model-a-{sha[:12]}"}
         for sha in (SHA_A, SHA_B)
     ]
     assert sorted(json.loads((tmp_path / "seen.json").read_text())["seen"]) == [
         f"org/Model-A@{SHA_A}", f"org/Model-A@{SHA_B}"]
+
+
+def test_each_source_runs_with_its_own_profile_and_overrides(tmp_path, prefect_flow_id, monkeypatch):
+    """Two folders and a hub id, each with its profile and overrides, watched by one deployment whose
+    own default overrides are kept: every run's params are its source's, with the checkpoint merged in."""
+    recipes = sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("nvfp4_*.yaml"))
+    small = write_profile(tmp_path / "profiles" / "small.yaml", **{"qad.steps": 7, "ptq.recipes": recipes[:1]})
+    large = write_profile(tmp_path / "elsewhere" / "large.yaml", **{"qad.steps": 11, "ptq.recipes": recipes[1:3]})
+    a = write_checkpoint(tmp_path / "incoming-small" / "model-a")
+    b = write_checkpoint(tmp_path / "incoming-large" / "model-b", b"other weights")
+    monkeypatch.setattr(watcher, "latest_hub_revision", lambda model_id: {"org/Model-H": SHA_A}[model_id])
+    defaults = {"overrides": ["eval.limit=3"], "stage_deployment": "gpu-stage/gpu"}
+    name, deployment_id = make_deployment(prefect_flow_id, "profiles", defaults)
+    monkeypatch.chdir(tmp_path)  # relative watch_dir and params_file: resolved here, in the watcher's directory
+    sources = [
+        {"watch_dir": "incoming-small", "params_file": "profiles/small.yaml", "overrides": ["calibration.seed=1"]},
+        {"watch_dir": "incoming-large", "params_file": str(large)},
+        {"hub_id": "org/Model-H", "params_file": "elsewhere/large.yaml", "overrides": ["qad.lr=0.0001"]},
+    ]
+    summary = watch_base_checkpoints(sources=sources, deployment=name, state_file="seen.json", settle_seconds=0)
+
+    runs = {r.name: r for r in flow_runs(deployment_id)}
+    expected = {  # run name: (params file, overrides after the deployment's, steps, recipes, revision)
+        f"model-a-{expected_sha256(a)[:12]}": (small, ["calibration.seed=1", path_override(a)], 7, recipes[:1], None),
+        f"model-b-{expected_sha256(b)[:12]}": (large, [path_override(b)], 11, recipes[1:3], None),
+        f"org-model-h-{SHA_A[:12]}": (large, ["qad.lr=0.0001", 'base_model.path="org/Model-H"',
+                                          f'base_model.revision="{SHA_A}"'], 11, recipes[1:3], SHA_A),
+    }
+    assert sorted(runs) == sorted(expected) and len(summary["triggered"]) == 3
+    for run_name, (params_file, overrides, steps, run_recipes, revision) in expected.items():
+        parameters = runs[run_name].parameters
+        assert parameters == {"params_file": str(params_file), "overrides": ["eval.limit=3", *overrides],
+                              "base_model": None, "out_root": f"runs/{run_name}", "stage_deployment": "gpu-stage/gpu"}
+        params = load_params(Path(parameters["params_file"]), parameters["overrides"])  # as the run will
+        assert (params.qad.steps, params.ptq.recipes, params.eval.limit) == (steps, run_recipes, 3)
+        assert params.base_model.revision == revision
+        assert params.base_model.path == {"model-a": str(a), "model-b": str(b)}.get(run_name[:7], "org/Model-H")
+    assert {r["flow_run_name"]: r["params_file"] for r in load_state(tmp_path / "seen.json")["seen"].values()} == {
+        run_name: str(params_file) for run_name, (params_file, *_) in expected.items()}
+
+
+def test_a_bad_source_fails_the_tick_and_starts_nothing(tmp_path, prefect_flow_id, monkeypatch):
+    looked_up = []  # the sources are checked before any hub id is looked up
+    monkeypatch.setattr(watcher, "latest_hub_revision", lambda model_id: looked_up.append(model_id) or SHA_A)
+    good = {"watch_dir": str(write_checkpoint(tmp_path / "incoming" / "m").parent)}
+    name, deployment_id = make_deployment(prefect_flow_id, "bad-source")
+    params = {"deployment": name, "state_file": str(tmp_path / "seen.json"), "settle_seconds": 0}
+    profile = write_profile(tmp_path / "p.yaml", **{"qad.steps": 5})
+
+    # one bad source (every kind of bad value: tests/test_watch_sources.py) and nothing starts
+    bad = {"hub_id": "org/M", "params_file": str(profile), "overrides": ["qad.steps=0"]}
+    state = watch_base_checkpoints(sources=[good, bad], **params, return_state=True)
+    assert state.is_failed() and state.message.endswith(
+        f"ConfigError: source hub_id org/M: {profile}: qad.steps = 0: Input should be greater than 0")
+    # the deployment's own default overrides are checked with each run's before any starts
+    other, other_id = make_deployment(prefect_flow_id, "bad-default", {"overrides": ["eval.limitt=3"]})
+    state = watch_base_checkpoints(sources=[good], **{**params, "deployment": other}, return_state=True)
+    assert state.is_failed() and f"source watch_dir {good['watch_dir']}: unknown key 'eval.limitt'" in state.message
+    assert state.message.endswith(f"(with {other}'s default overrides ['eval.limitt=3'])")
+    assert flow_runs(deployment_id) == [] and flow_runs(other_id) == []
+    assert load_state(tmp_path / "seen.json")["seen"] == {} and looked_up == []
 
 
 def test_a_failed_trigger_fails_the_run_and_is_retried(tmp_path, deployment, monkeypatch):
@@ -335,5 +298,9 @@ def test_a_crash_never_loses_or_repeats_a_trigger(tmp_path, deployment, monkeypa
 
 def test_bad_parameters_are_refused(tmp_path, prefect_flow_id):
     assert "nothing to watch" in watch_base_checkpoints(return_state=True).message
+    both = watch_base_checkpoints(sources=[{"watch_dir": str(tmp_path), "hub_id": "org/M"}], return_state=True)
+    assert both.is_failed() and "a source watches exactly one of watch_dir and hub_id" in both.message
+    typo = watch_base_checkpoints(sources=[{"watch_dir": str(tmp_path), "param_file": "x.yaml"}], return_state=True)
+    assert typo.is_failed() and "param_file" in typo.message and "Extra inputs are not permitted" in typo.message
     refused = watch_base_checkpoints(watch_dir=str(tmp_path), deployment="no-slash", return_state=True)
     assert refused.is_failed() and "deployment: String should match pattern" in refused.message
