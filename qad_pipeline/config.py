@@ -100,6 +100,9 @@ class PTQParams(_Section):
     max_parallel: int | Literal["auto"]
     # GPUs each recipe process gets (CUDA_VISIBLE_DEVICES): auto = one, or all with device_map auto
     gpus_per_recipe: int | Literal["auto"] = "auto"
+    # Model Optimizer's layer-by-layer calibration, resumable (qad_pipeline/layerwise.py): auto = when
+    # accelerate offloads part of the model (it does not fit the GPUs a recipe gets)
+    layerwise: bool | Literal["auto"] = "auto"
 
     @field_validator("max_parallel", "gpus_per_recipe")
     @classmethod
@@ -107,6 +110,13 @@ class PTQParams(_Section):
         if value != "auto" and value < 1:
             raise ValueError(f"{info.field_name} must be 'auto' or a positive integer, got {value!r}")
         return value
+
+    @field_validator("layerwise", mode="before")
+    @classmethod
+    def _layerwise(cls, value):
+        if value is True or value is False or value == "auto":
+            return value
+        raise ValueError(f"layerwise must be true, false or 'auto', got {value!r}")
 
     @field_validator("recipes")
     @classmethod

@@ -36,6 +36,11 @@ class Layout:
     def ptq(self, recipe: str) -> Path:
         return self.root / "artifacts" / "ptq" / recipe
 
+    def ptq_layerwise(self, recipe: str) -> Path:
+        """A recipe's per-layer calibration checkpoints while it runs layerwise (outside its artifact
+        folder, which the stage clears before it runs, so a killed recipe resumes from them)."""
+        return self.root / "artifacts" / "ptq_layerwise" / recipe
+
     @property
     def sweep_search(self) -> Path:
         """The BPE sweep's one AutoQuantize search: Model Optimizer's state (`state.pt`), `search.json`."""

@@ -174,7 +174,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           mlflow="qad_pipeline.tracking.children:baseline_run", memory="qad_pipeline.memory_model:baseline_phases",
           knobs=("eval.batch_size",)),
     Stage("ptq", "tasks.ptq:main", after=("calibration", "baseline"),
-          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "eval"),
+          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "ptq.layerwise", "eval"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
           outputs=(Output("artifacts/ptq/{recipe}"),),
           foreach="ptq.recipes", gpu=True, cached=True, may_fail=True,

@@ -11,6 +11,12 @@ baseline stage wrote once (the BF16 model never runs over the eval windows here)
                         quantized weight's reconstruction error (`weight_errors`)
     <out>/items.json    per-item eval values, for the recovery's confidence interval
 
+With `ptq.layerwise` (true, or auto when the model does not fit the GPUs the recipe gets),
+Model Optimizer calibrates one decoder layer at a time and checkpoints each finished layer under
+`<out-root>/artifacts/ptq_layerwise/<recipe>/<key>/` (kept when the process is killed, removed
+once the outputs are written); run again, it resumes after the last finished layer, and scores.json
+records `layerwise: {layers, resumed_from_layer, checkpoints}` (`qad_pipeline/layerwise.py`).
+
 A recipe that resolves to the same quantizers as an earlier one in `ptq.recipes` on this model
 (`qad_pipeline.recipes.recipe_aliases`, checked on the meta device before any weight loads) is not run again: its
 scores.json says `"status": "alias"` and names the recipe it repeats.
@@ -23,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from qad_pipeline import layerwise
 from qad_pipeline.artifacts import staged_dir, write_json
 from qad_pipeline.calibration_data import load_calibration
 from qad_pipeline.config import Params
@@ -36,7 +44,7 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_model, load_tokenizer, save_quantized, tied_embeddings
 from qad_pipeline.recipes import load_quantize_config, quantize_config, recipe_aliases
 from qad_pipeline.results.base import dump_result, write_result
-from qad_pipeline.results.scores import AutoQuantizeResult, PTQAlias, PTQScores
+from qad_pipeline.results.scores import AutoQuantizeResult, LayerwiseCalibration, PTQAlias, PTQScores
 from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
 
 
@@ -52,10 +60,27 @@ def calibration_loop(samples: torch.Tensor, batch_size: int):
     return forward_loop
 
 
-def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: int):
+def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: int,
+                   by_layer: bool = False, checkpoint_dir: Path | None = None):
+    """`mtq.quantize` with the recipe's config; with `by_layer`, through Model Optimizer's layerwise
+    calibration (checkpointing each layer into `checkpoint_dir`, and resuming from what it holds),
+    then the weights outside the decoder layers (`qad_pipeline.layerwise`)."""
     import modelopt.torch.quantization as mtq
 
-    return mtq.quantize(model, quantize_config(model, recipe_path), calibration_loop(samples, batch_size))
+    config, forward_loop = quantize_config(model, recipe_path), calibration_loop(samples, batch_size)
+    if not by_layer:
+        return mtq.quantize(model, config, forward_loop)
+    checked = []
+
+    def checked_loop(m) -> None:  # the first call comes before any layer is calibrated
+        if not checked:
+            layerwise.check_outside_layers(m, recipe_path.stem)
+            checked.append(True)
+        forward_loop(m)
+
+    model = mtq.quantize(model, layerwise.with_layerwise(config, checkpoint_dir), checked_loop)
+    layerwise.calibrate_outside_layers(model, layerwise.plain_algorithm(config))
+    return model
 
 
 def share_fused_scales(model) -> None:
@@ -146,7 +171,6 @@ def auto_quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_s
     first: Model Optimizer writes into the state file it is given, and that file is another
     stage's output.
     """
-    import shutil
     import tempfile
 
     from qad_pipeline import autoquant
@@ -170,12 +194,15 @@ def auto_quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_s
 
 
 def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, out_dir: Path,
-            budget: float | None = None, search_state: Path | None = None, name: str | None = None) -> dict:
+            budget: float | None = None, search_state: Path | None = None, name: str | None = None,
+            layerwise_root: Path | None = None) -> dict:
     """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores.
 
     For an AutoQuantize recipe, `budget` replaces the recipe's own and `search_state` is a search
     the sweep made once (`auto_quantize_model`); `name` is what the scores call the result (the
-    recipe's name by default, `<recipe>@<budget>` for a sweep point).
+    recipe's name by default, `<recipe>@<budget>` for a sweep point). `layerwise_root` is where a
+    layerwise calibration (`ptq.layerwise`) keeps its per-layer checkpoints (under a key of the
+    recipe and calibration), removed once the outputs are written; None: it keeps none.
     """
     from qad_pipeline import autoquant
     from qad_pipeline.reference import Reference
@@ -195,12 +222,23 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
 
     samples = torch.from_numpy(load_calibration(data_dir))
     t0 = time.time()
-    searched = None
-    if autoquant.is_auto_quantize(recipe_path):
+    searched = by_layer = folder = None
+    is_auto_quantize = autoquant.is_auto_quantize(recipe_path)
+    setting = params.ptq.layerwise if search_state is None else False  # a sweep point calibrates nothing
+    if layerwise.enabled(setting, model, recipe, is_auto_quantize):
+        if layerwise_root is not None:
+            folder = layerwise.checkpoint_dir(layerwise_root, layerwise.checkpoint_key(params, recipe_path, data_dir))
+        by_layer = LayerwiseCalibration(layers=len(layerwise.decoder_layers(model)),
+                                        resumed_from_layer=layerwise.resume_point(folder) if folder else 0,
+                                        checkpoints=folder is not None)
+        if by_layer.resumed_from_layer:
+            print(f"ptq {name}: resuming layerwise calibration at layer {by_layer.resumed_from_layer} "
+                  f"of {by_layer.layers} from {folder}", flush=True)
+    if is_auto_quantize:
         searched = auto_quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, params.base_model,
                                        budget, search_state)
     else:
-        quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size)
+        quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, by_layer is not None, folder)
     share_fused_scales(model)
     quantize_s = time.time() - t0
     sizes = size_report(model)
@@ -222,6 +260,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         layer_formats=sizes["layer_formats"],
         weight_error=weight_error,
         settings=recipe_settings(model, recipe_path),
+        **({"layerwise": by_layer} if by_layer is not None else {}),
         timing_s={"quantize": quantize_s, "eval": eval_s, "total": time.time() - started},
         started_at=started,
         finished_at=time.time(),
@@ -233,6 +272,8 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         save_quantized(model, tokenizer, tmp / "checkpoint")
         write_result(tmp / "scores.json", result)
         write_json(tmp / "items.json", items)
+    if layerwise_root is not None:
+        shutil.rmtree(layerwise_root, ignore_errors=True)  # done: the next run calibrates afresh
     return dump_result(result)
 
 
@@ -250,10 +291,14 @@ def _peak_rss_mb() -> float:
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     """One PTQ recipe: `qad-pipeline stage ptq <recipe>`."""
-    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe))
+    result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe),
+                     layerwise_root=layout.ptq_layerwise(recipe))
     if result.get("status") == "alias":
         return f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again"
-    searched = result.get("auto_quantize")
+    searched, by_layer = result.get("auto_quantize"), result.get("layerwise")
     budget = (f" (AutoQuantize at {searched['budget']} bits: {searched['searched_effective_bits']:.3f} over the "
               "searched layers)") if searched else ""
+    if by_layer:
+        start = by_layer["resumed_from_layer"]
+        budget += f" (calibrated layerwise{f', resumed at layer {start}' if start else ''})"
     return f"ptq {recipe}: {result['effective_bpe']:.3f} bits per element{budget}"

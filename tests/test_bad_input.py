@@ -144,6 +144,7 @@ def test_yaml_error_in_a_set_value_names_the_item_and_column(tmp_path):
         ("selection.band=[0, 0.9]", "band must be [low, high] with 0 < low <= high <= 1"),
         ("selection.ptq_final_min=1.5", "selection.ptq_final_min = 1.5: Input should be less than or equal to 1"),
         ("ptq.gpus_per_recipe=0", "gpus_per_recipe must be 'auto' or a positive integer, got 0"),
+        ("ptq.layerwise=maybe", "layerwise must be true, false or 'auto', got 'maybe'"),
     ],
 )
 def test_ranges_across_keys(item, message, tmp_path):

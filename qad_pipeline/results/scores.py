@@ -57,6 +57,12 @@ class RecipeSettings(Strict):
     kv_cache: str
 
 
+class LayerwiseCalibration(Strict):  # a recipe calibrated layer by layer (tasks/ptq.py, qad_pipeline/layerwise.py)
+    layers: int  # the decoder layers Model Optimizer calibrated one at a time
+    resumed_from_layer: int  # the first layer this run calibrated: 0, or where a killed run's checkpoints ended
+    checkpoints: bool  # per-layer checkpoints were kept (the stage's; a direct run_ptq call may keep none)
+
+
 class AutoQuantizeLayer(Strict):
     format: str  # the chosen candidate, "none" for BF16
     modules: list[str]  # the modules that share the choice (Model Optimizer groups e.g. fused projections)
@@ -90,6 +96,7 @@ class PTQScores(Strict):  # artifacts/ptq/<r>/scores.json of a recipe that ran (
     layer_formats: dict[str, str]
     weight_error: WeightError
     settings: RecipeSettings
+    layerwise: LayerwiseCalibration | None = None  # absent: calibrated whole-model (ptq.layerwise)
     timing_s: dict[str, float]  # quantize, eval, total
     started_at: float
     finished_at: float
