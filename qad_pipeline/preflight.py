@@ -78,6 +78,9 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
             if found:
                 raise ConfigError(f"{path} holds {found}: a recipe is logged to MLflow and Prefect; remove it")
             check_recipe(path, params.base_model)
+            if params.ptq.layerwise is True and autoquant.is_auto_quantize(path):
+                raise ConfigError(f"ptq.layerwise: recipe {name} is an AutoQuantize recipe, whose search has no "
+                                  "layerwise mode in Model Optimizer; set ptq.layerwise to auto or false")
         if sweep or with_sweep(params):
             autoquant.check_recipe(params.recipe_path(params.sweep.recipe), params.sweep.budgets, params.base_model)
         if memory:

@@ -75,6 +75,8 @@ def refused_process(out_root, *args, env=None):
         (["--set", "eval.tasks=[no_such_task_anywhere]"], "unknown eval task(s) ['no_such_task_anywhere']"),
         (["--set", "export.source=ptq/nvfp4_nope"], "export.source 'ptq/nvfp4_nope' is not a candidate of this run"),
         (["--set", "export.source=latest"], "export.source 'latest' is not auto, qad, none or ptq/<recipe>"),
+        (["--set", "ptq.layerwise=true", "--set", "ptq.recipes=[nvfp4_max-mamba_fp8-kv_fp8, autoquant_4o6-fp8-kv_fp8]"],
+         "ptq.layerwise: recipe autoquant_4o6-fp8-kv_fp8 is an AutoQuantize recipe"),
     ],
 )
 def test_run_rejects_bad_input_in_one_line(args, message, demo_model_path, tmp_path):
