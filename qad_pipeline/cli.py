@@ -25,12 +25,11 @@ from qad_pipeline.config import (
     ConfigError,
     Params,
     StageError,
-    check_recipes,
     load_params,
 )
 from qad_pipeline.layout import Layout, output_root
-from qad_pipeline.preflight import preflight
-from qad_pipeline.runlock import TOKEN_ENV, run_lock
+from qad_pipeline.preflight import check_recipes, preflight
+from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
 from qad_pipeline.stages import STAGES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
@@ -186,7 +185,8 @@ def stage(
                 raise ConfigError(f"stage {name.value} needs a {what} name: one of {declared.items(params)}")
             if recipe not in declared.items(params):
                 raise ConfigError(f"unknown {what} {recipe!r}: {declared.foreach} lists {declared.items(params)}")
-        if TOKEN_ENV not in os.environ:  # by itself (dvc repro, by hand); a pipeline run checked before starting it
+        if TOKEN_ENV not in os.environ and NODE_ENV not in os.environ:  # by itself (dvc repro, by hand); a
+            # pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
                       serving=name.value == "export", sweep=declared.sweep)
     except ConfigError as err:

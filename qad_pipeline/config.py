@@ -238,8 +238,24 @@ class QADParams(_Section):
     seed: int = 0
     compute_dtype: Literal["auto", "bfloat16", "float32"]
     gradient_checkpointing: bool
-    num_gpus: int = Field(ge=1)
+    num_gpus: int = Field(ge=1)  # processes (GPUs) per node
     sharding: Literal["ddp", "fsdp"]
+    num_nodes: int = Field(default=1, ge=1)
+    offload: bool = False  # FSDP2's CPU offload: sharded parameters, gradients and AdamW state on the host
+    rdzv_endpoint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")  # host:port, nodes > 1
+
+    @property
+    def processes(self) -> int:  # on all nodes
+        return self.num_gpus * self.num_nodes
+
+    @field_validator("offload")
+    @classmethod
+    def _offload(cls, offload: bool, info) -> bool:
+        n, sharding = info.data.get("num_gpus", 1) * info.data.get("num_nodes", 1), info.data.get("sharding")
+        if offload and (sharding != "fsdp" or n == 1):
+            raise ValueError(f"offload: true needs sharding: fsdp and more than one process (num_gpus x num_nodes "
+                             f"is {n}, sharding is {sharding})")
+        return offload
 
 
 class ExportParams(_Section):
@@ -378,20 +394,3 @@ def check_no_secrets(data: dict, source: str) -> None:
         if found:
             raise ConfigError(f"{source}: {key} holds {found}; give secrets to the process through the "
                               "environment (HF_TOKEN, AWS_*, MLFLOW_TRACKING_PASSWORD, ...), never in a parameter")
-
-
-def check_recipes(params: Params, root: Path | None = None, sweep: bool = False) -> None:
-    """Every named recipe has its file (with `sweep`, the sweep's too): an unknown name fails
-    listing the ones that exist."""
-    recipe_dir = resolve(params.ptq.recipe_dir, root)
-    available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))
-    for name in [*params.ptq.recipes, *([params.sweep.recipe] if sweep else [])]:
-        if not (recipe_dir / f"{name}.yaml").is_file():
-            raise ConfigError(
-                f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"
-            )
-    exported = params.export.source.removeprefix("ptq/")
-    if params.export.source.startswith("ptq/") and exported not in params.ptq.recipes and not (
-            sweep and exported.startswith(f"{params.sweep.recipe}@")):
-        raise ConfigError(f"export.source {params.export.source!r} is not a candidate of this run; valid: auto, qad, "
-                          "none, " + ", ".join(f"ptq/{name}" for name in params.ptq.recipes))

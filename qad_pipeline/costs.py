@@ -17,7 +17,8 @@ Wall time, per stage, FLOPs over a throughput: 2 x Na FLOPs per token for a forw
 a QAD token (the teacher's forward, the student's forward and backward), Na the matrix weights a
 token goes through (a MoE's routed experts: only its own). The throughput is the GPU's dense BF16
 peak (`targets.GPUS`) times a model-FLOPs utilisation: EVAL_MFU for forwards (calibration,
-evaluation), TRAIN_MFU for QAD, on `qad.num_gpus` GPUs at once. A recipe spread over several GPUs
+evaluation), TRAIN_MFU for QAD, on its qad.num_gpus x qad.num_nodes GPUs at once (qad.offload's
+host-side optimizer step is not modelled). A recipe spread over several GPUs
 by `device_map: auto` runs them one after another (accelerate's pipeline): one GPU's throughput.
 Tokens: the calibration samples (PTQ), the evaluation's perplexity/KL windows and the project's
 lm-eval tasks (cloze: one request per item, continuation: four, each LM_EVAL_PROJECT_TOKENS);
@@ -100,7 +101,7 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
     if name == "qad":
         q = params.qad
         tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
-        return 4 * forward * tokens / (bf16_flops * TRAIN_MFU * q.num_gpus)
+        return 4 * forward * tokens / (bf16_flops * TRAIN_MFU * q.processes)
     if name == "export":
         return 2 * export_bytes(params, shape) / DISK_BYTES_PER_S
     return 0.0

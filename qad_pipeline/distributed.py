@@ -32,18 +32,39 @@ from qad_pipeline.processes import die_with_parent
 
 
 def check_processes(params: Params) -> None:
-    """`qad.num_gpus` processes can run here and split every batch evenly: fail before launching."""
-    n, device = params.qad.num_gpus, resolve_device(params.hardware)
-    if params.qad.batch_size % n:
-        raise ConfigError(f"qad.batch_size = {params.qad.batch_size} does not split evenly over qad.num_gpus = {n}")
-    if device == "cuda" and torch.cuda.device_count() < n:
-        raise ConfigError(f"qad.num_gpus = {n} but this process sees {torch.cuda.device_count()} CUDA devices")
+    """`qad.num_gpus` processes per node can run here and split every batch evenly: fail before launching."""
+    q, device = params.qad, resolve_device(params.hardware)
+    if q.batch_size % q.processes:
+        over = f"qad.num_gpus = {q.num_gpus}" + (f" x qad.num_nodes = {q.num_nodes}" if q.num_nodes > 1 else "")
+        raise ConfigError(f"qad.batch_size = {q.batch_size} does not split evenly over {over} processes")
+    if device == "cuda" and torch.cuda.device_count() < q.num_gpus:
+        raise ConfigError(f"qad.num_gpus = {q.num_gpus} but this process sees {torch.cuda.device_count()} CUDA devices")
+
+
+def rendezvous(params: Params, token: str) -> list[str]:
+    """torchrun's options: one node (`--standalone`), or `qad.num_nodes` joined through a c10d rendezvous
+    at `qad.rdzv_endpoint` (else $MASTER_ADDR:$MASTER_PORT, which Kubeflow's training jobs set on every
+    node), under an id every node of the run shares: its out-root lock's token."""
+    q = params.qad
+    if q.num_nodes == 1:
+        return ["--standalone", f"--nproc-per-node={q.num_gpus}"]
+    endpoint = q.rdzv_endpoint
+    if endpoint is None and os.environ.get("MASTER_ADDR"):
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29400')}"
+    if endpoint is None:
+        raise ConfigError(f"qad.num_nodes = {q.num_nodes} needs a rendezvous: set qad.rdzv_endpoint=host:port "
+                          "(a host every node reaches) or MASTER_ADDR/MASTER_PORT in the environment")
+    return [f"--nnodes={q.num_nodes}", f"--nproc-per-node={q.num_gpus}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id=qad-{token[:16]}"]
 
 
 def launch_processes(params: Params, out_root: Path) -> None:
-    """Run this process's own `qad-pipeline stage qad` command in `qad.num_gpus` processes (torchrun).
+    """Run this process's own `qad-pipeline stage qad` command in `qad.num_gpus` processes (torchrun),
+    on this node, joined with the other nodes' with `qad.num_nodes > 1` (`rendezvous`).
 
-    The processes pass through the output root's lock that this process holds. On CPU
+    The processes pass through the output root's lock that this process holds; on a joining node
+    the command runs with the run's token in its environment (a Kubernetes job gets it from the flow),
+    so it passes through the lock that the run holds on the shared out-root. On CPU
     (`hardware.device: cpu`, or `auto` without a GPU) they are CPU processes over gloo, one thread
     each unless OMP_NUM_THREADS says otherwise (torchrun's default).
     """
@@ -54,11 +75,13 @@ def launch_processes(params: Params, out_root: Path) -> None:
     if command[:2] != ["stage", "qad"]:
         raise ConfigError("qad.num_gpus > 1 runs from the `qad-pipeline stage qad` command, which starts itself "
                           f"under torchrun; this process runs {command[:2]}")
-    n = params.qad.num_gpus
+    q = params.qad
     holder = json.loads((Path(out_root) / LOCK_NAME).read_text())  # `qad-pipeline stage` holds it for this run
     env = {**os.environ, TOKEN_ENV: holder["token"]}
-    print(f"qad: {n} processes ({params.qad.sharding}) under torchrun", flush=True)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    nodes = f" on each of {q.num_nodes} nodes" if q.num_nodes > 1 else ""
+    print(f"qad: {q.num_gpus} processes{nodes} ({q.sharding}{', offloaded' if q.offload else ''}) under torchrun",
+          flush=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous(params, holder["token"])]
     proc = subprocess.Popen([*torchrun, "-m", "qad_pipeline", *command], env=env,
                             preexec_fn=lambda: die_with_parent(signal.SIGTERM))  # in torchrun, before exec
     try:
@@ -68,7 +91,7 @@ def launch_processes(params: Params, out_root: Path) -> None:
         proc.wait()
         raise
     if code != 0:
-        raise StageError(f"qad: the {n} torchrun processes failed (exit code {code}); the failing one's error is above")
+        raise StageError(f"qad: the torchrun processes failed (exit code {code}); the failing one's error is above")
 
 
 @dataclass(frozen=True)
@@ -108,8 +131,9 @@ class World:
 def join_world(params: Params) -> World:
     """A world of one, or this process's place among the torchrun processes (process group joined)."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size != params.qad.num_gpus:
-        raise ConfigError(f"qad.num_gpus = {params.qad.num_gpus} but this process is one of {size} (WORLD_SIZE)")
+    if size != params.qad.processes:
+        raise ConfigError(f"qad.num_gpus x qad.num_nodes = {params.qad.processes} but this process is one of {size} "
+                          "(WORLD_SIZE)")
     if size == 1:
         return World()
     check_processes(params)
@@ -124,25 +148,96 @@ def join_world(params: Params) -> World:
     return World(dist.get_rank(), size, device)
 
 
-def spread(student, world: World, sharding: str):
-    """With several processes: DDP (replicated) or FSDP2 (each decoder block a shard unit)."""
-    if world.size == 1:
-        return student
-    device = input_device(student)
-    if sharding == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+def _empty_model(params: Params, folder: Path | None, dtype: torch.dtype):
+    """The model's modules with no storage (meta tensors): the teacher's class from its config, or the
+    student's with its quantizers restored from `folder`'s Model Optimizer state, as `load_model` would."""
+    from transformers import AutoModelForCausalLM
 
-        return DistributedDataParallel(student, device_ids=[device] if device.type == "cuda" else None)
+    from qad_pipeline.modeling import load_config
+
+    config = load_config(params.base_model) if folder is None else None
+    if folder is not None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=params.base_model.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 trust_remote_code=params.base_model.trust_remote_code)
+    if folder is not None:
+        import modelopt.torch.opt as mto
+
+        state = torch.load(Path(folder) / "modelopt_state.pth", weights_only=False)  # Model Optimizer's own file
+        model = mto.restore_from_modelopt_state(model, state)
+    model.config.use_cache = False
+    return model
+
+
+def _shard(model, world: World, offload: bool) -> None:
+    """FSDP2 on each decoder block (transformers' own block classes) and on the whole model."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (world.size,))
-    blocks = set(student._no_split_modules or [])  # transformers' own decoder-block classes
-    for module in student.modules():
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    policy = CPUOffloadPolicy(pin_memory=world.device.type == "cuda") if offload else OffloadPolicy()
+    blocks = set(model._no_split_modules or [])
+    for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh)
-    fully_shard(student, mesh=mesh)  # embeddings, final norm, LM head
-    return student
+            fully_shard(module, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)  # embeddings, final norm, LM head
+
+
+def load_spread(params: Params, world: World, folder: Path | None = None, dtype: torch.dtype | None = None):
+    """The teacher (`folder` None) or the student saved in `folder`, on this process, spread over the
+    processes as `qad.sharding` says.
+
+    One process, or ddp: each process loads the whole model onto its device (ddp replicates the
+    student: DistributedDataParallel). fsdp: no process holds a whole copy on its device. The first
+    process reads the checkpoint into host memory, the others build the same modules without storage
+    (meta tensors); every process shards its copy (FSDP2), takes storage for its shards only (on the
+    host with `qad.offload`) and receives them from the first, tensor by tensor
+    (`set_model_state_dict`, `broadcast_from_rank0`); buffers outside the state dict (rotary
+    frequencies) are broadcast after them.
+    """
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    q = params.qad
+    dtype = dtype or DTYPES[params.base_model.dtype]
+    if world.size == 1 or q.sharding == "ddp":
+        hardware = params.hardware if world.size == 1 else params.hardware.model_copy(update={"device_map": "single"})
+        model = load_model(params.base_model, hardware, folder=folder, dtype=dtype)
+        if world.size > 1 and folder is not None:  # the student: replicated, gradients all-reduced
+            from torch.nn.parallel import DistributedDataParallel
+
+            device = input_device(model)
+            model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        return model
+    full, extra = {}, {}
+    if world.rank == 0:
+        on_host = params.hardware.model_copy(update={"device": "cpu", "device_map": "single"})
+        model = load_model(params.base_model, on_host, folder=folder, dtype=dtype)
+        full = model.state_dict()
+        extra = {name: b for name, b in model.named_buffers() if name not in full}
+    else:
+        model = _empty_model(params, folder, dtype)
+    _shard(model, world, q.offload)
+    model.to_empty(device="cpu" if q.offload else world.device)
+    for module in model.modules():  # buffers are not sharded: they live where the computation runs
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(world.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name in sorted(world.from_rank0(list(extra))):
+        buffer = model.get_buffer(name)
+        if world.rank == 0:
+            buffer.copy_(extra[name])
+        dist.broadcast(buffer, src=0)
+    return model.eval()
+
+
+def held_bytes(model) -> int:
+    """Bytes of parameters and buffers this process holds of `model` (its shards, under FSDP2)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().nbytes() for t in tensors)
 
 
 def save_checkpoint(folder: Path, world: World, student, optimizer, scheduler, step: int, losses: list[dict],

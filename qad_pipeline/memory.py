@@ -220,6 +220,11 @@ def _with(params: Params, knob: str, value) -> Params:
     return params.model_copy(update={section: getattr(params, section).model_copy(update={key: value})})
 
 
+def _value(params: Params, knob: str):
+    section, key = knob.split(".")
+    return getattr(getattr(params, section), key)
+
+
 def _fits(stage: str, params: Params, cap: Capacity, at_once: int) -> bool:
     est = estimate(stage, params, cap)
     est.max_parallel = at_once
@@ -239,6 +244,17 @@ def _largest(stage: str, params: Params, cap: Capacity, at_once: int, knob: str,
     return lo * step
 
 
+def _qad_switches(params: Params) -> list[tuple[str, object]]:
+    """QAD's on/off settings that lower its memory and are off: each is tried alone."""
+    q = params.qad
+    switches = [("qad.gradient_checkpointing", True)] if not q.gradient_checkpointing else []
+    if q.processes > 1 and q.sharding == "ddp":
+        switches.append(("qad.sharding", "fsdp"))
+    if q.processes > 1 and not q.offload:
+        switches.append(("qad.offload", True))  # with fsdp (a ddp run is offered fsdp first)
+    return switches
+
+
 def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     """What to turn so that `est` fits: the knob of its peak phase first, with the largest value
     that fits, then the stage's other knobs; else what no setting of this run can change."""
@@ -249,26 +265,37 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     if name == "ptq" and at_once > 1 and _fits(stage, params, cap, 1):
         most = max(1, cap.host_bytes // est.host_bytes)
         return f"{stage}: ptq.max_parallel={params.ptq.max_parallel} {why}; the largest that fits is {most}"
-    checkpointing = name == "qad" and not params.qad.gradient_checkpointing and _fits(
-        stage, _with(params, "qad.gradient_checkpointing", True), cap, at_once)
-    alternative = "; or set qad.gradient_checkpointing=true" if checkpointing else ""
+    switches = [f"{knob}={value}".replace("True", "true") for knob, value in _qad_switches(params)
+                if name == "qad" and _fits(stage, _with(params, knob, value), cap, at_once)]
+    alternative = f"; or set {' or '.join(switches)}" if switches else ""
     phase_knob = next((p.knob for p in stage_phases(stage, params, model_shape(params.base_model), cap.device)
                        if p.name == est.phase), None)
-    for knob in sorted(knobs, key=lambda k: k != phase_knob):
-        step = params.qad.num_gpus if knob == "qad.batch_size" else 1  # rows split evenly over the GPUs
-        most = _largest(stage, params, cap, at_once, knob, step)
-        section, key = knob.split(".")
-        if most is not None and most < getattr(getattr(params, section), key):
-            at = f" at qad.seq_len {params.qad.seq_len}" if knob == "qad.batch_size" else ""
-            return (f"{stage}: {knob}={getattr(getattr(params, section), key)}{at} {why}; "
-                    f"the largest that fits is {most}{alternative}")
-    if checkpointing:
-        return f"{stage}: {why}; set qad.gradient_checkpointing=true"
+    def knob_that_fits(candidate: Params) -> tuple[str, int] | None:
+        for knob in sorted(knobs, key=lambda k: k != phase_knob):
+            step = candidate.qad.processes if knob == "qad.batch_size" else 1  # rows split evenly over processes
+            most = _largest(stage, candidate, cap, at_once, knob, step)
+            if most is not None and most < _value(candidate, knob):
+                return knob, most
+        return None
+
+    def lowered(knob: str, most: int) -> str:
+        at = f" at qad.seq_len {params.qad.seq_len}" if knob == "qad.batch_size" else ""
+        return f"{knob}={_value(params, knob)}{at} {why}; the largest that fits is {most}"
+
+    found = knob_that_fits(params)
+    if found:
+        return f"{stage}: {lowered(*found)}{alternative}"
+    if switches:
+        return f"{stage}: {why}; set {' or '.join(switches)}"
+    for knob, value in (_qad_switches(params) if name == "qad" else []):  # a switch and a smaller knob together
+        found = knob_that_fits(_with(params, knob, value))
+        if found:
+            return f"{stage}: {lowered(*found)} with {knob}={str(value).lower()}; set both"
     weights = model_shape(params.base_model).params * DTYPE_BYTES[params.base_model.dtype]
     if est.host_total > cap.host_bytes:
         where = "a machine with more host memory" + (", or GPUs" if cap.device == "cpu" else "")
     elif name == "qad":
-        where = "more GPUs (qad.num_gpus with qad.sharding=fsdp)"
+        where = "more GPUs (qad.num_gpus, qad.num_nodes with qad.sharding=fsdp and qad.offload=true)"
     elif params.hardware.device_map != "auto":
         where = "hardware.device_map=auto (spread the model over the GPUs)"
     else:

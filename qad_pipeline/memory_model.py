@@ -26,12 +26,15 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
     calibrate         PTQ's forward loop: B_c·T_c·V·d logits + the forward + fake_quant;
     mse_search        static recipes' per-block scale search: Nmax·4·MSE_COPIES, or
                       Nmax·4·MSE_SWEEP_COPIES when it also sweeps the FP8 scale (fp8_scale_sweep)
-    qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (the last three
-                      divided by qad.num_gpus with fsdp; ddp adds ddp_buckets N·4) + the
+    qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (all four divided by
+                      the W = qad.num_gpus x qad.num_nodes processes with fsdp, plus two gathered
+                      blocks and the gathered embeddings/LM head of both models, and on the host
+                      with qad.offload; ddp adds ddp_buckets N·4); loading under fsdp, the first
+                      process's host holds both whole models (rank0_ terms); + the
                       fake-quantized weights saved for backward Nw·a + activations
                       L·b·T·(ACT_TRAIN_H·H + ACT_TRAIN_F·F)·a (gradient checkpointing: Nw·a/L and
                       L·b·T·H·a + one layer) + kd_logits b·T·V·4·KD_LOGIT_COPIES, b the rows per
-                      process, qad.batch_size / qad.num_gpus
+                      process, qad.batch_size / W
     export            the student + the exported tensors read back (at most N·d) + the dequantized
                       BF16 reload N·2 of the check (on the host whatever the device)
 
@@ -258,20 +261,29 @@ def _compute_dtype(setting: str, device: str) -> str:
 
 
 def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
-    """One of the `qad.num_gpus` processes (tasks/qad.py): each holds the whole teacher, loads the
-    whole float32 student before sharding (fsdp) or replicating (ddp) it, and trains on its
-    qad.batch_size / qad.num_gpus rows of every batch."""
+    """One of the qad.num_gpus x qad.num_nodes processes (tasks/qad.py, qad_pipeline/distributed.py).
+
+    ddp (or one process): each loads the whole teacher and the whole float32 student onto its
+    device. fsdp: the first process reads both into host memory (`rank0_` terms, which the other
+    processes do not have) and broadcasts them tensor by tensor; every process keeps a 1/W shard of
+    the teacher, the student, its gradients and AdamW state (on the host with qad.offload), and
+    gathers one decoder block at a time (the next prefetched) plus the root unit (embeddings and LM
+    head) in the forward. Each trains on its qad.batch_size / W rows of every batch."""
     q = params.qad
-    n, d, a, g = shape.params, DTYPE_BYTES[params.base_model.dtype], DTYPE_BYTES[_compute_dtype(q.compute_dtype, device)], q.num_gpus
-    shards = g if g > 1 and q.sharding == "fsdp" else 1
-    tokens = max(1, q.batch_size // g) * q.seq_len
+    n, d, a, w = shape.params, DTYPE_BYTES[params.base_model.dtype], DTYPE_BYTES[_compute_dtype(q.compute_dtype, device)], q.processes
+    sharded = w > 1 and q.sharding == "fsdp"
+    shards, offload = (w, q.offload) if sharded else (1, False)
+    tokens = max(1, q.batch_size // w) * q.seq_len
     state = {"quantizer_state": shape.matrix_params // 16 * 4} if _any_static(params) else {}
-    trained = {"teacher": n * d, "student_fp32": n * 4 // shards, "grads": n * 4 // shards,
-               "adamw": 2 * n * 4 // shards, **state}
-    if g > 1 and q.sharding == "ddp":
+    owned = {"teacher": n * d // shards, "student_fp32": n * 4 // shards, "grads": n * 4 // shards,
+             "adamw": 2 * n * 4 // shards}
+    offloaded = {f"offloaded_{k}": v for k, v in owned.items()} if offload else {}
+    trained = {**({} if offload else owned), **state}
+    if w > 1 and q.sharding == "ddp":
         trained["ddp_buckets"] = n * 4
-    if shards > 1:  # one decoder block gathered, the next prefetched
-        trained["fsdp_gathered_blocks"] = 2 * n // shape.layers * 4
+    if sharded:
+        trained["fsdp_gathered_blocks"] = 2 * (n // shape.layers) * (4 + d)  # student and teacher, two blocks each
+        trained["fsdp_gathered_root"] = 2 * shape.vocab * shape.hidden * (4 + d)  # embeddings and LM head
     per_layer = tokens * (ACT_TRAIN_H * shape.hidden + ACT_TRAIN_F * shape.ffn) * a
     mamba = tokens * shape.mamba_scan * 4 * MAMBA_COPIES
     # Autograd keeps every fake-quantized weight for backward (also where FSDP has resharded the
@@ -284,11 +296,19 @@ def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None 
         activations = shape.layers * per_layer + shape.mamba_layers * mamba
     train = {"fake_quant_saved": fake_quant_saved, "activations": activations,
              "kd_logits": tokens * shape.vocab * 4 * KD_LOGIT_COPIES}
-    # at the end FSDP gathers the full float32 state on rank 0's host, into a student it loads there
-    save = {"rank0_full_state_dict": n * 4, "rank0_student_copy": n * 4} if shards > 1 else _save_copy(
-        params, shape, device)
-    return [Phase("load", None, {"teacher": n * d, "student_fp32": n * 4, **state}),
-            Phase("train", "qad.batch_size", trained, train), Phase("save", None, trained, host=save)]
+    if not sharded:
+        load = Phase("load", None, {"teacher": n * d, "student_fp32": n * 4, **state})
+        save = _save_copy(params, shape, device)
+    else:  # the first process reads both models on its host and broadcasts them, one tensor at a time
+        load = Phase("load", None, {**({} if offload else {"teacher": owned["teacher"],
+                                                            "student_fp32": owned["student_fp32"]}), **state},
+                     {"broadcast_tensor": shape.largest_matrix * 4},
+                     host={"rank0_teacher": n * d, "rank0_student_fp32": n * 4,
+                           **{k: v for k, v in offloaded.items() if k in ("offloaded_teacher", "offloaded_student_fp32")}})
+        # at the end FSDP gathers the full float32 state on rank 0's host, into a student it loads there
+        save = {"rank0_full_state_dict": n * 4, "rank0_student_copy": n * 4}
+    return [load, Phase("train", "qad.batch_size", trained, train, host=offloaded),
+            Phase("save", None, trained, host={**offloaded, **save})]
 
 
 def final_eval_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:

@@ -8,7 +8,9 @@ holder's description, and the next holder reports that the previous run was kill
 happens to its unfinished outputs.
 
 The stage processes of a run pass through its lock: the run hands them its token in
-`QAD_PIPELINE_RUN_LOCK`.
+`QAD_PIPELINE_RUN_LOCK`. The nodes of a multi-node QAD stage are not the run's child processes (a
+cluster starts them, e.g. a Kubeflow training job): they get the token in `QAD_PIPELINE_NODE_OF`
+and pass through the lock the same way, on the out-root they share.
 
 `dvc repro` deletes a stage's outputs before it runs the stage's command, so the stage's own
 lock would come too late for it. In a DVC project a run therefore also holds DVC's own lock
@@ -33,6 +35,7 @@ from qad_pipeline.config import ConfigError
 
 LOCK_NAME = ".qad-pipeline.lock"
 TOKEN_ENV = "QAD_PIPELINE_RUN_LOCK"
+NODE_ENV = "QAD_PIPELINE_NODE_OF"
 
 
 class LockHeld(ConfigError):
@@ -78,13 +81,16 @@ def run_lock(root: Path, what: str, on_stale=None) -> Iterator[str]:
     """
     root = Path(root)
     path = root / LOCK_NAME
-    token = os.environ.get(TOKEN_ENV)
+    token = os.environ.get(TOKEN_ENV) or os.environ.get(NODE_ENV)
     if token and path.is_file():
         with path.open() as fh:
             holder = _read(fh)
         if holder.get("token") == token and not holder.get("finished"):
             yield token  # a stage of the run that holds the lock
             return
+    if os.environ.get(NODE_ENV):
+        raise LockHeld(f"this QAD node belongs to a run ({NODE_ENV}) that no longer holds {path}: the run ended or "
+                       "was stopped; the node does not start on its own")
 
     def busy(fh) -> LockHeld:
         return LockHeld(f"{root} is being written by another qad-pipeline run ({_describe(_read(fh))}); "

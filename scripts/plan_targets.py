@@ -25,18 +25,20 @@ def row(model: str, target: str) -> list[str]:
     per_recipe = memory.settled(params, cap, with_sweep(params)).ptq.gpus_per_recipe
     ptq = [e for e in estimates if e.stage.startswith("ptq/")]
     qad = next(e for e in estimates if e.stage == "qad")
+    offloaded = memory.estimate("qad", params.model_copy(update={"qad": params.qad.model_copy(update={"offload": True})}),
+                                cap)
     try:
         memory.check_fits(estimates)
         verdict = "fits"
     except ConfigError as err:
         verdict = "refused: " + str(err).split(";")[0].split(", even")[0]
     return [model.split("/")[1], target, f"{per_recipe} × {ptq[0].max_parallel}",
-            f"{max(e.device_bytes for e in ptq) / GiB:.0f}", f"{qad.device_bytes / GiB:.0f}",
+            f"{max(e.device_bytes for e in ptq) / GiB:.0f}", f"{qad.device_bytes / GiB:.0f}", f"{offloaded.device_bytes / GiB:.0f}",
             f"{sum(e.disk_bytes for e in estimates) / GiB:,.0f}", memory.time_text(memory.run_seconds(estimates)), verdict]
 
 
 def table() -> str:
-    head = ["model", "node", "GPUs per recipe × at once", "PTQ GiB/GPU", "QAD GiB/GPU", "disk GiB", "time", "plan"]
+    head = ["model", "node", "GPUs per recipe × at once", "PTQ GiB/GPU", "QAD GiB/GPU", "with qad.offload", "disk GiB", "time", "plan"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(row(m, t)) + " |" for m in MODELS for t in TARGETS]
     return "\n".join(lines)

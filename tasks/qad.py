@@ -64,9 +64,17 @@ from tqdm import tqdm
 
 from qad_pipeline.artifacts import fingerprint, staged_dir
 from qad_pipeline.config import ConfigError, Params, QADParams, StageError
-from qad_pipeline.distributed import join_world, launch_processes, resume, save_checkpoint, spread, trained_student
+from qad_pipeline.distributed import (
+    held_bytes,
+    join_world,
+    launch_processes,
+    load_spread,
+    resume,
+    save_checkpoint,
+    trained_student,
+)
 from qad_pipeline.layout import Layout
-from qad_pipeline.modeling import input_device, load_model, load_tokenizer
+from qad_pipeline.modeling import input_device, load_tokenizer
 from qad_pipeline.results.base import read_result, write_result
 from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.qad import LossCurve, QADTraining
@@ -75,7 +83,8 @@ from qad_pipeline.results.selection import SelectionResult
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
 # under one setting resumes under another.
-LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every"}
+LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every", "offload", "num_nodes",
+               "rdzv_endpoint"}
 
 
 class QADDiverged(StageError):
@@ -178,14 +187,15 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     tokenizer = load_tokenizer(params.base_model)
     windows = training_windows(params, tokenizer, data_dir)
 
-    # Several processes: each holds its whole teacher and (before sharding) student on its own device.
-    hardware = params.hardware if world.size == 1 else params.hardware.model_copy(update={"device_map": "single"})
-    teacher = load_model(params.base_model, hardware).requires_grad_(False).eval()
-    student = load_model(params.base_model, hardware, folder=student_dir, dtype=torch.float32).train()
+    # fsdp: the teacher and the student sharded over the processes; ddp: both whole on every process.
+    teacher = load_spread(params, world).requires_grad_(False).eval()
+    student = load_spread(params, world, folder=student_dir, dtype=torch.float32).train()
     if qad.gradient_checkpointing:
-        enable_gradient_checkpointing(student)
-    teacher_device, student_device = input_device(teacher), input_device(student)
-    student = spread(student, world, qad.sharding)
+        enable_gradient_checkpointing(getattr(student, "module", student))  # DDP wraps it
+    sharded = world.size > 1 and qad.sharding == "fsdp"
+    teacher_device = world.device if sharded else input_device(teacher)
+    student_device = world.device if sharded else input_device(getattr(student, "module", student))
+    held = {"teacher_bytes": held_bytes(teacher), "student_bytes": held_bytes(student)}
     optimizer = torch.optim.AdamW(
         [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay
     )
@@ -211,6 +221,8 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
             batch = world.rows(next(stream))  # this process's rows of the global batch
             with torch.no_grad():
                 teacher_logits = teacher(input_ids=batch.to(teacher_device)).logits.float()
+            if sharded:
+                teacher.reshard()  # FSDP2 keeps the root's gathered parameters for a backward that never comes
             with autocast:
                 student_logits = student(input_ids=batch.to(student_device)).logits.float()
             loss = kd_loss(student_logits, teacher_logits.to(student_logits.device)).mean() / qad.grad_accum
@@ -248,6 +260,9 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "compute_dtype": compute_dtype,
         "gradient_checkpointing": qad.gradient_checkpointing,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if student_device.type == "cuda" else None,
+        "offload": qad.offload if sharded else None,
+        "num_nodes": qad.num_nodes,
+        **held,
     }
     final = trained_student(student, world, params, student_dir)
     if world.rank == 0:
@@ -269,7 +284,7 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
     selected = read_result(layout.selection_metrics, SelectionResult).selected
     if selected is None:
         raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
-    if params.qad.num_gpus > 1 and "WORLD_SIZE" not in os.environ:
+    if params.qad.processes > 1 and "WORLD_SIZE" not in os.environ:
         launch_processes(params, layout.root)
         return None
     result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)

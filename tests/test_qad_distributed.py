@@ -2,8 +2,10 @@
 
 The stage runs as everywhere else, `qad-pipeline stage qad`, with `qad.num_gpus=2`: on a machine
 without a GPU (or with `hardware.device: cpu`) that is two CPU processes over gloo, the CPU stand-in
-for two GPUs. Both shardings are run: ddp uninterrupted, fsdp (FSDP2) killed after its first
-checkpoint and resumed from its per-process shards. Not covered: NCCL and FSDP2 on GPUs.
+for two GPUs. Both shardings are run: ddp uninterrupted; fsdp (FSDP2: the student and the frozen
+teacher sharded) killed after its first checkpoint on one node and resumed from its per-process
+shards on two "nodes" of one process each (torchrun's c10d rendezvous on this machine), offloaded.
+Not covered: NCCL, FSDP2 on GPUs, and the pinned-memory transfers of CPU offload to a GPU.
 
 Every process runs one thread (OMP_NUM_THREADS=1): the runs compare like with like, and a shared
 CI machine is not oversubscribed (two OpenMP threads on two busy cores ran the loop 10x slower).
@@ -28,6 +30,7 @@ Tolerances, from measurements on the demo model (TINY settings, float32, 6 steps
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -38,6 +41,7 @@ from safetensors.torch import load_file
 
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.layout import Layout
+from qad_pipeline.runlock import NODE_ENV, run_lock
 from tasks.qad import CHECKPOINT
 from tests.test_qad import stage_cmd
 
@@ -96,7 +100,7 @@ def one_process(pipeline_run, tmp_path_factory):
     started = time.time()
     run_stage(layout, overrides + SETTINGS + ONE_PROCESS)
     print(f"one process: {time.time() - started:.0f}s")
-    return trained(layout)
+    return (*trained(layout), read_json(layout.qad / "loss.json"))
 
 
 def test_ddp_in_two_processes_follows_one_process(run_copy, one_process):
@@ -106,20 +110,41 @@ def test_ddp_in_two_processes_follows_one_process(run_copy, one_process):
     print(f"ddp, 2 processes: {time.time() - started:.0f}s")
     assert "qad: 2 processes (ddp) under torchrun" in out
     losses, weights = trained(layout)
-    reference_losses, reference_weights = one_process
+    reference_losses, reference_weights = one_process[:2]
     print("relative loss difference per step:", [abs(a - b) / b for a, b in zip(losses, reference_losses)])
     assert losses == pytest.approx(reference_losses, rel=LOSS_RTOL)
     assert_same_student(weights, reference_weights)
     assert read_json(layout.qad / "loss.json")["world_size"] == 2
 
 
-def test_fsdp_in_two_processes_killed_and_resumed_follows_one_process(run_copy, one_process):
+def two_nodes(layout, overrides):
+    """The stage as a cluster runs it on 2 nodes of 1 process each: the same command on every node,
+    joined by torchrun's c10d rendezvous on this machine; the nodes pass through the run's lock, which
+    this test holds as a pipeline run would (a Kubeflow job's pods get its token the same way)."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    nodes = ["qad.num_nodes=2", "qad.num_gpus=1", f"qad.rdzv_endpoint=localhost:{port}"]
+    with run_lock(layout.root, "test two nodes") as token:
+        env = {**ENV, NODE_ENV: token}
+        started = [subprocess.Popen(stage_cmd(layout, overrides + nodes), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env) for _ in range(2)]
+        outputs = [node.communicate(timeout=900)[0] for node in started]
+    for node, out in zip(started, outputs):
+        assert node.returncode == 0, out[-3000:]
+    return outputs
+
+
+def test_fsdp_sharded_teacher_killed_then_resumed_on_two_nodes_offloaded_follows_one_process(run_copy, one_process):
+    """FSDP2 shards the student and the frozen teacher; killed after its first checkpoint on one node
+    of 2 processes, it resumes on 2 nodes of 1 process with the shards offloaded to the host (FSDP2's
+    CPU offload, on a CPU the same device, but its code path): the curve is still one process's."""
     layout, overrides = run_copy
-    overrides = overrides + SETTINGS + ["qad.num_gpus=2", "qad.sharding=fsdp"]
+    overrides = overrides + SETTINGS + ["qad.sharding=fsdp"]
     started = time.time()
     with (layout.root / "killed-stage.log").open("w") as log:  # a file: a full pipe would stall the stage
-        stage = subprocess.Popen(stage_cmd(layout, overrides), stdout=log, stderr=subprocess.STDOUT, env=ENV,
-                                 start_new_session=True)
+        stage = subprocess.Popen(stage_cmd(layout, overrides + ["qad.num_gpus=2"]), stdout=log,
+                                 stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
     checkpoint = layout.qad_checkpoints / CHECKPOINT
     deadline = time.time() + 600
     while not (checkpoint / "state.pt").is_file() and stage.poll() is None and time.time() < deadline:
@@ -134,12 +159,16 @@ def test_fsdp_in_two_processes_killed_and_resumed_follows_one_process(run_copy, 
     assert 0 < saved_step < 6 and not (layout.qad / "model").exists()
     assert sorted(p.name for p in (checkpoint / "weights").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
-    out = run_stage(layout, overrides)
-    print(f"fsdp, 2 processes, killed and resumed: {time.time() - started:.0f}s")
+    out = "".join(two_nodes(layout, overrides + ["qad.offload=true"]))
+    print(f"fsdp, 2 processes, killed and resumed on 2 nodes: {time.time() - started:.0f}s")
     assert f"resuming from the checkpoint at step {saved_step}" in out
-    assert read_json(layout.qad / "loss.json")["resumed_from"] == saved_step
+    assert "qad: 1 processes on each of 2 nodes (fsdp, offloaded) under torchrun" in out
+    result = read_json(layout.qad / "loss.json")
+    assert (result["resumed_from"], result["world_size"], result["num_nodes"], result["offload"]) == (saved_step, 2, 2, True)
+    # each process holds half the teacher (to one element of padding per tensor), measured from its shards
+    assert result["teacher_bytes"] == pytest.approx(one_process[2]["teacher_bytes"] / 2, rel=1e-3)
     losses, weights = trained(layout)
-    reference_losses, reference_weights = one_process
+    reference_losses, reference_weights = one_process[:2]
     print("relative loss difference per step:", [abs(a - b) / b for a, b in zip(losses, reference_losses)])
     assert losses == pytest.approx(reference_losses, rel=LOSS_RTOL)
     assert_same_student(weights, reference_weights)

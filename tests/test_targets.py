@@ -59,10 +59,19 @@ def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_t
 def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():
     moe = CliRunner().invoke(app, ["plan", "--params", str(PROJECT_ROOT / "profiles" / "qwen3-30b-a3b_8xb200.yaml")])
     assert moe.exit_code == 0, moe.output
-    nemotron = load_params(PROFILE_8B, ["base_model.path=nvidia/Nemotron-H-8B-Base-8K"])
+    h100 = memory.target_capacity("8xH100-80GB")
+    big = load_params(PROFILE_8B, ["base_model.path=meta-llama/Llama-3.1-70B", "qad.offload=true",
+                                   "ptq.recipes=[nvfp4_4o6-mamba_fp8-kv_fp8]"])
     with pytest.raises(ConfigError, match=r"qad: qad.seq_len=8192 needs ~\d+.\d GiB per GPU, ~72.0 GiB is usable; "
                                           r"the largest that fits is \d+"):
-        memory.check_fits(memory.plan(nemotron, memory.target_capacity("8xH100-80GB")))
+        memory.check_fits([e for e in memory.plan(big, h100) if e.stage == "qad"])
+    # 8B on 2 GPUs: nothing fits without offload; with it, one row per GPU
+    two = load_params(PROFILE_8B, ["qad.num_gpus=2"])
+    with pytest.raises(ConfigError, match=r"qad: qad.batch_size=8 at qad.seq_len 8192 needs ~\d+.\d GiB per GPU, "
+                                          r"~72.0 GiB is usable; the largest that fits is 2 with qad.offload=true; set both"):
+        memory.check_fits([e for e in memory.plan(two, h100) if e.stage == "qad"])
+    fits = load_params(PROFILE_8B, ["qad.num_gpus=2", "qad.offload=true", "qad.batch_size=2", "qad.grad_accum=16"])
+    assert memory.estimate("qad", fits, h100).device_bytes < h100.gpu_bytes[0]
     bad = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B), "--target", "8xH100-80"])
     assert bad.exit_code == 2 and "is not <count>x<GPU>" in bad.output
 
