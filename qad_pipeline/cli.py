@@ -31,6 +31,7 @@ from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import check_recipes, preflight
 from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
 from qad_pipeline.stages import STAGES
+from qad_pipeline.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 _debug = False
@@ -351,6 +352,9 @@ def plan_command(
         memory.check_fits(estimates)
     except ConfigError as err:
         _fail(err)
+
+
+app.command("trainjob")(trainjob_command)
 
 
 @app.command("setup-vllm")

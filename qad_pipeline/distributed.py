@@ -43,17 +43,19 @@ def check_processes(params: Params) -> None:
 
 def rendezvous(params: Params, token: str) -> list[str]:
     """torchrun's options: one node (`--standalone`), or `qad.num_nodes` joined through a c10d rendezvous
-    at `qad.rdzv_endpoint` (else $MASTER_ADDR:$MASTER_PORT, which Kubeflow's training jobs set on every
-    node), under an id every node of the run shares: its out-root lock's token."""
+    at `qad.rdzv_endpoint` (else the first node's address that Kubeflow gives every node:
+    $PET_MASTER_ADDR:$PET_MASTER_PORT, or $MASTER_ADDR:$MASTER_PORT), under an id every node of the
+    run shares: its out-root lock's token."""
     q = params.qad
     if q.num_nodes == 1:
         return ["--standalone", f"--nproc-per-node={q.num_gpus}"]
     endpoint = q.rdzv_endpoint
-    if endpoint is None and os.environ.get("MASTER_ADDR"):
-        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29400')}"
+    for prefix in ("PET_", ""):  # Kubeflow Trainer's torch runtime sets PET_MASTER_*, a PyTorchJob MASTER_*
+        if endpoint is None and os.environ.get(f"{prefix}MASTER_ADDR"):
+            endpoint = f"{os.environ[prefix + 'MASTER_ADDR']}:{os.environ.get(prefix + 'MASTER_PORT', '29400')}"
     if endpoint is None:
         raise ConfigError(f"qad.num_nodes = {q.num_nodes} needs a rendezvous: set qad.rdzv_endpoint=host:port "
-                          "(a host every node reaches) or MASTER_ADDR/MASTER_PORT in the environment")
+                          "(a host every node reaches) or MASTER_ADDR and MASTER_PORT in the environment")
     return [f"--nnodes={q.num_nodes}", f"--nproc-per-node={q.num_gpus}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id=qad-{token[:16]}"]
 
