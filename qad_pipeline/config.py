@@ -243,6 +243,9 @@ class QADParams(_Section):
     num_nodes: int = Field(default=1, ge=1)
     offload: bool = False  # FSDP2's CPU offload: sharded parameters, gradients and AdamW state on the host
     rdzv_endpoint: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")  # host:port, nodes > 1
+    teacher: Literal["live", "cached"] = "live"  # cached: the teacher_cache stage's top-k + tail, no teacher in QAD
+    teacher_top_k: int = Field(default=32, gt=0)
+    teacher_tail_samples: int = Field(default=32, ge=0)
 
     @property
     def processes(self) -> int:  # on all nodes

@@ -14,7 +14,8 @@ Disk, per stage, what it writes under the out-root (its peak, while it runs):
     the rest      their JSON files (counted as 0)
 
 Wall time, per stage, FLOPs over a throughput: 2 x Na FLOPs per token for a forward, 8 x Na for
-a QAD token (the teacher's forward, the student's forward and backward), Na the matrix weights a
+a QAD token (the teacher's forward, the student's forward and backward; 6 x Na with a cached teacher,
+whose forward is the teacher_cache stage's), Na the matrix weights a
 token goes through (a MoE's routed experts: only its own). The throughput is the GPU's dense BF16
 peak (`targets.GPUS`) times a model-FLOPs utilisation: EVAL_MFU for forwards (calibration,
 evaluation), TRAIN_MFU for QAD, on its qad.num_gpus x qad.num_nodes GPUs at once (qad.offload's
@@ -74,6 +75,9 @@ def disk_bytes(stage: str, params: Params, shape: ModelShape) -> int:
         return shape.params * d + scales
     if name == "qad":
         return 2 * shape.params * 12 + shape.params * d
+    if name == "teacher_cache":  # per token of the windows QAD draws (at most all its steps' tokens)
+        q = params.qad
+        return q.steps * q.grad_accum * q.batch_size * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
     if name == "export":
         return export_bytes(params, shape)
     return 0
@@ -98,10 +102,12 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
         calib = params.calibration.num_samples * params.calibration.seq_len
         evaluation = _eval_tokens(params) if name != "sweep_search" else 0
         return forward * (calib + evaluation) / per_gpu_eval
-    if name == "qad":
-        q = params.qad
-        tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
-        return 4 * forward * tokens / (bf16_flops * TRAIN_MFU * q.processes)
+    q = params.qad
+    tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
+    if name == "qad":  # the teacher's forward, the student's forward and backward; 3 without the teacher
+        return (4 if q.teacher == "live" else 3) * forward * tokens / (bf16_flops * TRAIN_MFU * q.processes)
+    if name == "teacher_cache":
+        return forward * tokens / per_gpu_eval
     if name == "export":
         return 2 * export_bytes(params, shape) / DISK_BYTES_PER_S
     return 0.0

@@ -89,6 +89,10 @@ class Layout:
         return self.root / "artifacts" / "qad"
 
     @property
+    def teacher_cache(self) -> Path:
+        return self.root / "artifacts" / "teacher_cache"
+
+    @property
     def qad_checkpoints(self) -> Path:
         return self.root / "artifacts" / "qad_checkpoints"
 

@@ -242,6 +242,17 @@ def baseline_phases(params: Params, shape: ModelShape, device: str, item: str | 
     return eval_phases(params, shape, device, _weights(params, shape, False), None, writes_reference=True)
 
 
+def teacher_cache_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
+    """The BF16 teacher over QAD's training windows, eval.batch_size at a time, its logits in
+    chunks of LOGIT_CHUNK_TOKENS positions written as top-k + tail (tasks/teacher_cache.py)."""
+    d, rows, seq = DTYPE_BYTES[params.base_model.dtype], params.eval.batch_size, params.qad.seq_len
+    chunk = rows * min(seq, max(1, LOGIT_CHUNK_TOKENS // rows))
+    return [Phase("teacher_forward", "eval.batch_size", _weights(params, shape, False), {
+        "hidden_states": rows * seq * shape.hidden * d, **_forward(rows * seq, shape, d),
+        "eval_logits": chunk * shape.vocab * (d + EVAL_LOGIT_BYTES), "reference_terms": chunk * shape.vocab
+        * REFERENCE_WRITE_BYTES})]
+
+
 def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> list[Phase]:
     static = static_block_scales(params.recipe_path(recipe))
     resident, d = _weights(params, shape, static), DTYPE_BYTES[params.base_model.dtype]
@@ -275,15 +286,17 @@ def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None 
     shards, offload = (w, q.offload) if sharded else (1, False)
     tokens = max(1, q.batch_size // w) * q.seq_len
     state = {"quantizer_state": shape.matrix_params // 16 * 4} if _any_static(params) else {}
-    owned = {"teacher": n * d // shards, "student_fp32": n * 4 // shards, "grads": n * 4 // shards,
+    live = q.teacher == "live"  # a cached teacher is read from disk, a batch at a time: no teacher, no teacher logits
+    owned = {"teacher": n * d // shards if live else 0, "student_fp32": n * 4 // shards, "grads": n * 4 // shards,
              "adamw": 2 * n * 4 // shards}
     offloaded = {f"offloaded_{k}": v for k, v in owned.items()} if offload else {}
     trained = {**({} if offload else owned), **state}
     if w > 1 and q.sharding == "ddp":
         trained["ddp_buckets"] = n * 4
     if sharded:
-        trained["fsdp_gathered_blocks"] = 2 * (n // shape.layers) * (4 + d)  # student and teacher, two blocks each
-        trained["fsdp_gathered_root"] = 2 * shape.vocab * shape.hidden * (4 + d)  # embeddings and LM head
+        both = 4 + (d if live else 0)  # the student's float32 and the teacher's bytes per parameter
+        trained["fsdp_gathered_blocks"] = 2 * (n // shape.layers) * both  # two blocks of each
+        trained["fsdp_gathered_root"] = 2 * shape.vocab * shape.hidden * both  # embeddings and LM head
     per_layer = tokens * (ACT_TRAIN_H * shape.hidden + ACT_TRAIN_F * shape.ffn) * a
     mamba = tokens * shape.mamba_scan * 4 * MAMBA_COPIES
     # Autograd keeps every fake-quantized weight for backward (also where FSDP has resharded the
@@ -295,15 +308,15 @@ def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None 
         fake_quant_saved = shape.matrix_params * a
         activations = shape.layers * per_layer + shape.mamba_layers * mamba
     train = {"fake_quant_saved": fake_quant_saved, "activations": activations,
-             "kd_logits": tokens * shape.vocab * 4 * KD_LOGIT_COPIES}
+             "kd_logits": tokens * shape.vocab * 4 * (KD_LOGIT_COPIES - (0 if live else 1))}
     if not sharded:
-        load = Phase("load", None, {"teacher": n * d, "student_fp32": n * 4, **state})
+        load = Phase("load", None, {"teacher": owned["teacher"], "student_fp32": n * 4, **state})
         save = _save_copy(params, shape, device)
     else:  # the first process reads both models on its host and broadcasts them, one tensor at a time
         load = Phase("load", None, {**({} if offload else {"teacher": owned["teacher"],
                                                             "student_fp32": owned["student_fp32"]}), **state},
                      {"broadcast_tensor": shape.largest_matrix * 4},
-                     host={"rank0_teacher": n * d, "rank0_student_fp32": n * 4,
+                     host={"rank0_teacher": owned["teacher"] * shards, "rank0_student_fp32": n * 4,
                            **{k: v for k, v in offloaded.items() if k in ("offloaded_teacher", "offloaded_student_fp32")}})
         # at the end FSDP gathers the full float32 state on rank 0's host, into a student it loads there
         save = {"rank0_full_state_dict": n * 4, "rank0_student_copy": n * 4}

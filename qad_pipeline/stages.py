@@ -1,7 +1,8 @@
 """The pipeline's stages, each declared once: `qad-pipeline dvc-yaml` writes dvc.yaml from here.
 
     calibration ── baseline ── ptq × recipes ───────────────────────── selection ── qad ── final_eval ── export
-               └── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep, when asked for)
+               ├── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep, when asked for)  │
+               └── teacher_cache ─────────────────────────────────────────────────┘ (qad.teacher: cached)
 
 A `Stage` names its entry point (`module:function`, called as `entry(params, layout, recipe)`),
 the stages it waits for (`after`: the flows' edges), the params.yaml keys it reads, its input
@@ -71,6 +72,7 @@ class Stage:
     after_selection: bool = False  # runs on the selected candidate, when one was selected
     qad_only: bool = False  # runs only with selection.policy qad
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
+    cached_teacher: bool = False  # runs only with qad.teacher cached (and selection.policy qad)
     may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
@@ -182,6 +184,12 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                         "artifacts/baseline/reference/manifest.json"),
           done=("artifacts/ptq/{recipe}/scores.json", "artifacts/ptq/{recipe}/checkpoint"),
           memory="qad_pipeline.memory_model:ptq_phases", knobs=("ptq.calib_batch_size", "eval.batch_size")),
+    Stage("teacher_cache", "tasks.teacher_cache:main", after=("calibration",),
+          params=("base_model", "calibration", "qad"),
+          inputs=(MODEL, "${calibration.source}", "artifacts/calibration"),
+          outputs=(Output("artifacts/teacher_cache", note="the teacher's top-k + tail over QAD's training windows"),),
+          gpu=True, qad_only=True, cached_teacher=True,
+          memory="qad_pipeline.memory_model:teacher_cache_phases", knobs=("eval.batch_size",)),
     Stage("sweep_search", "tasks.sweep_search:main", after=("calibration",),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe"),
           inputs=(MODEL, SWEEP_RECIPE, "artifacts/calibration"),
@@ -219,10 +227,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "title": "Median recovery against effective bits per element, per PTQ recipe"})),
           result="metrics/selection.json", schema="qad_pipeline.results.selection:SelectionResult",
           mlflow="qad_pipeline.tracking.children:selection_run", memory="qad_pipeline.memory_model:SELECTION_PROCESS"),
-    Stage("qad", "tasks.qad:main", after=("selection",),
+    Stage("qad", "tasks.qad:main", after=("selection", "teacher_cache"),
           params=("base_model", "calibration", "qad"),
           inputs=(MODEL, "${calibration.source}", "metrics/selection.json", "artifacts/ptq", "artifacts/sweep",
-                  "artifacts/calibration"),
+                  "artifacts/calibration", "artifacts/teacher_cache"),
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
@@ -273,6 +281,8 @@ def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str |
         if declared.name == "export" and params.export.source == "none":
             continue
         if declared.sweep and not (sweep_only or with_sweep(params)):
+            continue
+        if declared.cached_teacher and (sweep_only or params.qad.teacher != "cached"):
             continue
         runs += [(declared, r) for r in declared.items(params)] if declared.per_recipe else [(declared, None)]
     return runs

@@ -105,8 +105,10 @@ def _hub_id(path: str, params: Params) -> bool:
 
 def dvc_stages(params: Params) -> list[Stage]:
     """The stages dvc.yaml holds for these params: every stage, the BPE sweep's only when the params
-    ask for it (`stages.with_sweep`), as in a `qad-pipeline run` with them."""
-    return [stage for stage in STAGES.values() if with_sweep(params) or not stage.sweep]
+    ask for it (`stages.with_sweep`), the teacher cache only with `qad.teacher: cached`, as in a
+    `qad-pipeline run` with them."""
+    return [stage for stage in STAGES.values() if (with_sweep(params) or not stage.sweep)
+            and (params.qad.teacher == "cached" or not stage.cached_teacher)]
 
 
 def _written_by(stages: list[Stage]) -> set[str]:

@@ -21,17 +21,18 @@ Memory (`qad.gradient_checkpointing`): transformers' gradient checkpointing, non
 decoder block's activations are recomputed in backward. A model class that transformers cannot
 checkpoint is refused with a one-line error before training.
 
-Several processes (`qad.num_gpus > 1`, `qad_pipeline/distributed.py`). `qad-pipeline stage qad`
-starts itself again under `torchrun --standalone`, one process per GPU, so Prefect, `dvc repro` and
-the tests run the same command (`launch_processes`). Every process loads the teacher (replicated,
-frozen) and the student onto its own device and takes its own rows of each global batch
+Several processes (`qad.num_gpus > 1`, or `qad.num_nodes > 1`; `qad_pipeline/distributed.py`).
+`qad-pipeline stage qad` starts itself again under torchrun, one process per GPU (`--standalone`, or
+a c10d rendezvous across nodes), so Prefect, `dvc repro`, a Kubeflow TrainJob and the tests run the
+same command (`launch_processes`). Each process takes its own rows of each global batch
 (`qad.batch_size` rows, split evenly), so the loss curve is the single-process one up to rounding;
-the logged loss is the mean over processes. `qad.sharding` picks how the student is spread: `ddp`
-(torch's DistributedDataParallel: the student replicated, gradients all-reduced) or `fsdp` (FSDP2,
-torch's `fully_shard` on each decoder block and on the whole model: parameters, gradients and AdamW
-state sharded). With `hardware.device: cpu` (or `auto` on a machine without a GPU) the processes
-run on the CPU over gloo: that is the path the tests take (tests/test_qad_distributed.py, ddp and
-fsdp). Not tested here (no GPU): NCCL, and FSDP2 on GPUs.
+the logged loss is the mean over processes. `qad.sharding` picks how both models are spread
+(`load_spread`): `ddp` (the teacher and the student whole on every process; the student in torch's
+DistributedDataParallel) or `fsdp` (FSDP2, `fully_shard` on each decoder block and the whole model,
+for the student and for the frozen teacher; neither model is ever whole on a process's device;
+`qad.offload` keeps the shards on the host). With `hardware.device: cpu` (or `auto` on a machine
+without a GPU) the processes run on the CPU over gloo: that is the path the tests take
+(tests/test_qad_distributed.py). Not tested here (no GPU): NCCL, and FSDP2 on GPUs.
 
 torch's own `DistributedDataParallel` and `fully_shard` are used rather than accelerate's
 `Accelerator`: accelerate (1.15) turns FSDP on only for GPU-class devices and silently falls back
@@ -57,7 +58,6 @@ import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -76,9 +76,10 @@ from qad_pipeline.distributed import (
 from qad_pipeline.layout import Layout
 from qad_pipeline.modeling import input_device, load_tokenizer
 from qad_pipeline.results.base import read_result, write_result
-from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.qad import LossCurve, QADTraining
 from qad_pipeline.results.selection import SelectionResult
+from qad_pipeline.teacher_cache import TeacherCache
+from qad_pipeline.training_text import batch_indices, training_windows
 
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
@@ -112,41 +113,6 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
         raise ConfigError(f"the student at {student_dir} uses a different vocabulary than the teacher")
 
 
-def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
-    """QAD training text at qad.seq_len: the calibration documents unless qad.source is set."""
-    from qad_pipeline.calibration_data import TokenBudget, read_documents, token_windows
-    from qad_pipeline.config import looks_local
-
-    cal, q = params.calibration, params.qad
-    if q.source is None:  # the documents the calibration stage read (a hub dataset: its first ones)
-        manifest = read_result(Path(data_dir) / "manifest.json", CalibrationManifest)
-        docs = read_documents(cal, limit=manifest.documents)
-        docs = [docs[i] for i in manifest.calibration_documents]
-    else:  # a hub dataset is read until it holds the tokens of every step once
-        enough = None if looks_local(q.source) else TokenBudget(
-            tokenizer, [(q.steps * q.batch_size * q.grad_accum * q.seq_len, 1.0)])
-        docs = read_documents(cal.model_copy(update={"source": q.source}), enough)
-    windows = token_windows(docs, tokenizer, params.qad.seq_len)
-    if len(windows) < params.qad.batch_size:
-        raise ConfigError(
-            f"QAD training text yields {len(windows)} windows of qad.seq_len = {params.qad.seq_len} tokens, "
-            f"fewer than one batch of {params.qad.batch_size}"
-        )
-    return windows
-
-
-def batches(windows: np.ndarray, batch_size: int, seed: int, skip: int):
-    """An endless, seeded stream of batches, reshuffled every epoch; `skip` fast-forwards (resume)."""
-    rng = np.random.default_rng(seed)
-    n = 0
-    while True:
-        order = rng.permutation(len(windows))
-        for i in range(0, len(order) - batch_size + 1, batch_size):
-            if n >= skip:
-                yield torch.from_numpy(windows[order[i : i + batch_size]])
-            n += 1
-
-
 def lr_lambda(qad: QADParams):
     def factor(step: int) -> float:
         if step < qad.warmup_steps:
@@ -175,7 +141,8 @@ def enable_gradient_checkpointing(student) -> None:
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path) -> dict:
+def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path,
+            teacher_cache: Path | None = None) -> dict:
     """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve."""
     from modelopt.torch.distill.losses import LogitsDistillationLoss
 
@@ -188,14 +155,16 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     windows = training_windows(params, tokenizer, data_dir)
 
     # fsdp: the teacher and the student sharded over the processes; ddp: both whole on every process.
-    teacher = load_spread(params, world).requires_grad_(False).eval()
+    # A cached teacher is read from the teacher_cache stage's files instead (qad_pipeline/teacher_cache.py).
+    cache = TeacherCache(teacher_cache, params, windows) if qad.teacher == "cached" else None
+    teacher = load_spread(params, world).requires_grad_(False).eval() if cache is None else None
     student = load_spread(params, world, folder=student_dir, dtype=torch.float32).train()
     if qad.gradient_checkpointing:
         enable_gradient_checkpointing(getattr(student, "module", student))  # DDP wraps it
     sharded = world.size > 1 and qad.sharding == "fsdp"
-    teacher_device = world.device if sharded else input_device(teacher)
     student_device = world.device if sharded else input_device(getattr(student, "module", student))
-    held = {"teacher_bytes": held_bytes(teacher), "student_bytes": held_bytes(student)}
+    teacher_device = world.device if sharded or teacher is None else input_device(teacher)
+    held = {"teacher_bytes": held_bytes(teacher) if teacher is not None else 0, "student_bytes": held_bytes(student)}
     optimizer = torch.optim.AdamW(
         [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay
     )
@@ -211,21 +180,27 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     last = checkpoint_dir / CHECKPOINT
     start, losses = resume(last, world, student, optimizer, scheduler, run_key)
 
-    stream = batches(windows, qad.batch_size, qad.seed, skip=start * qad.grad_accum)
+    stream = batch_indices(len(windows), qad.batch_size, qad.seed, skip=start * qad.grad_accum)
     started = time.time()
     bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step",
                disable=world.rank != 0)
     for step in bar:
         total = 0.0
         for _ in range(qad.grad_accum):
-            batch = world.rows(next(stream))  # this process's rows of the global batch
-            with torch.no_grad():
-                teacher_logits = teacher(input_ids=batch.to(teacher_device)).logits.float()
-            if sharded:
-                teacher.reshard()  # FSDP2 keeps the root's gathered parameters for a backward that never comes
+            rows = world.rows(next(stream))  # this process's rows (window indices) of the global batch
+            batch = torch.from_numpy(windows[rows])
+            if cache is None:
+                with torch.no_grad():
+                    teacher_logits = teacher(input_ids=batch.to(teacher_device)).logits.float()
+                if sharded:
+                    teacher.reshard()  # FSDP2 keeps the root's gathered parameters for a backward that never comes
             with autocast:
                 student_logits = student(input_ids=batch.to(student_device)).logits.float()
-            loss = kd_loss(student_logits, teacher_logits.to(student_logits.device)).mean() / qad.grad_accum
+            if cache is None:
+                per_token = kd_loss(student_logits, teacher_logits.to(student_logits.device))
+            else:
+                per_token = cache.loss(rows, student_logits, qad.temperature)
+            loss = per_token.mean() / qad.grad_accum
             loss.backward()
             total += loss.item()
         total = world.mean(total)  # the global batch's loss
@@ -261,6 +236,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "gradient_checkpointing": qad.gradient_checkpointing,
         "peak_gpu_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if student_device.type == "cuda" else None,
         "offload": qad.offload if sharded else None,
+        "teacher": qad.teacher,
         "num_nodes": qad.num_nodes,
         **held,
     }
@@ -287,7 +263,8 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
     if params.qad.processes > 1 and "WORLD_SIZE" not in os.environ:
         launch_processes(params, layout.root)
         return None
-    result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
+    result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints,
+                     layout.teacher_cache)
     if int(os.environ.get("RANK", "0")) != 0:  # only the first of the torchrun processes reports
         return None
     write_result(layout.qad_loss, LossCurve(read_result(layout.qad / "loss.json", QADTraining).losses))

@@ -147,6 +147,9 @@ def test_yaml_error_in_a_set_value_names_the_item_and_column(tmp_path):
         ("selection.ptq_final_min=1.5", "selection.ptq_final_min = 1.5: Input should be less than or equal to 1"),
         ("ptq.gpus_per_recipe=0", "gpus_per_recipe must be 'auto' or a positive integer, got 0"),
         ("ptq.layerwise=maybe", "layerwise must be true, false or 'auto', got 'maybe'"),
+        ("qad.offload=true", "qad.offload = True: Value error, offload: true needs sharding: fsdp and more than one "
+                             "process (num_gpus x num_nodes is 1, sharding is fsdp)"),
+        ("qad.rdzv_endpoint=head-node", "qad.rdzv_endpoint = 'head-node': String should match pattern"),
     ],
 )
 def test_ranges_across_keys(item, message, tmp_path):

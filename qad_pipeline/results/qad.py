@@ -33,6 +33,7 @@ class QADTraining(Strict):  # artifacts/qad/loss.json (tasks/qad.py: run_qad)
     gradient_checkpointing: bool
     peak_gpu_memory_gb: float | None
     offload: bool | None = None  # with fsdp over several processes
+    teacher: str = "live"  # live | cached (qad.teacher)
     num_nodes: int = 1
     teacher_bytes: int | None = None  # of the teacher's parameters and buffers, what the first process held
     student_bytes: int | None = None  # the same of the student (its shards under fsdp)
