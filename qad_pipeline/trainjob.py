@@ -16,9 +16,14 @@ out-root must be on a volume every node mounts (the PVC `qad-workspace`, ReadWri
 checkpoint shards, the student and loss.json are written there, by the processes that own them.
 
 `trainjob_manifest` renders it; `qad-pipeline trainjob` prints it; tests/test_trainjob.py
-validates it against the API's own models (the `kubeflow-trainer-api` package). Not run here: no
-cluster. The flow does not submit it yet: a platform team applies it (`kubectl apply -f`) for the
-QAD stage of a run, see infra/README.md.
+validates it against the API's own models (the `kubeflow-trainer-api` package).
+
+Submitted by the QAD stage itself (`run_trainjob`): when `qad.num_nodes > 1` and the stage runs in
+a pod whose environment names the job's image (`QAD_TRAINJOB_IMAGE`, from the pool's ConfigMap),
+`qad-pipeline stage qad` creates the TrainJob with its own command line instead of starting
+torchrun, logs its conditions as they change and waits for `Complete` or `Failed`: a failed job
+fails the stage with the job's message, so the flow reports it like any stage; a stopped stage
+deletes the job (its pods go with it). Tested against a fake API; no cluster runs it here.
 """
 
 from __future__ import annotations
@@ -62,9 +67,9 @@ def job_name(out_root: str, token: str) -> str:
     return "qad-" + hashlib.sha256(f"{out_root}\0{token}".encode()).hexdigest()[:12]
 
 
-def trainjob_manifest(params: Params, params_file: str, overrides: list[str], out_root: str, token: str,
-                      cluster: Cluster) -> dict:
-    """The TrainJob of the QAD stage of the run that holds `out_root`'s lock with `token`."""
+def trainjob_manifest(params: Params, command: list[str], out_root: str, token: str, cluster: Cluster) -> dict:
+    """The TrainJob that runs `command` (a `qad-pipeline stage qad` command line) on every node, for
+    the run that holds `out_root`'s lock with `token`."""
     q = params.qad
     if q.num_nodes < 2:
         raise ConfigError(f"qad.num_nodes = {q.num_nodes}: a TrainJob is for QAD on several nodes; one node runs "
@@ -72,7 +77,6 @@ def trainjob_manifest(params: Params, params_file: str, overrides: list[str], ou
     if not out_root.startswith("/"):
         raise ConfigError(f"out-root {out_root!r} must be an absolute path on the shared volume (e.g. "
                           f"{PROJECT_DIR}/runs/<name>), the same on every node")
-    command = STAGES["qad"].command(params_file=params_file, out_root=out_root, overrides=overrides)
     gpus = str(q.num_gpus)
     env = [{"name": NODE_ENV, "value": token},
            {"name": "HF_HOME", "value": f"{WORKSPACE}/hf-cache"},
@@ -146,7 +150,77 @@ def trainjob_command(
         tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu_toleration else []
         cluster = Cluster(image=image, namespace=namespace, runtime=runtime, node_selector=selector,
                           tolerations=tolerations)
-        manifest = trainjob_manifest(params, str(params_file), items, str(out_root), holder["token"], cluster)
+        command = STAGES["qad"].command(params_file=str(params_file), out_root=str(out_root), overrides=items)
+        manifest = trainjob_manifest(params, command, str(out_root), holder["token"], cluster)
     except ConfigError as err:
         _fail(err)
     typer.echo(yaml.safe_dump(manifest, sort_keys=False))
+
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def cluster_from_env(environ=None) -> Cluster | None:
+    """Where this pod's QAD stage submits its TrainJob: QAD_TRAINJOB_IMAGE (None without it: torchrun
+    here), QAD_TRAINJOB_NAMESPACE (else this pod's namespace), QAD_TRAINJOB_RUNTIME,
+    QAD_TRAINJOB_NODE_SELECTOR (`key=value,...`), QAD_TRAINJOB_GPU_TOLERATION (`false` to drop it)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    if not env.get("QAD_TRAINJOB_IMAGE"):
+        return None
+    namespace = env.get("QAD_TRAINJOB_NAMESPACE") or (
+        NAMESPACE_FILE.read_text().strip() if NAMESPACE_FILE.is_file() else "qad")
+    selector = dict(item.split("=", 1) for item in env.get("QAD_TRAINJOB_NODE_SELECTOR", "").split(",") if "=" in item)
+    tolerate = env.get("QAD_TRAINJOB_GPU_TOLERATION", "true").lower() != "false"
+    return Cluster(image=env["QAD_TRAINJOB_IMAGE"], namespace=namespace,
+                   runtime=env.get("QAD_TRAINJOB_RUNTIME", "torch-distributed"), node_selector=selector,
+                   tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if tolerate
+                   else [])
+
+
+def run_trainjob(manifest: dict, api=None, poll: float = 10.0, log=print) -> None:
+    """Create the TrainJob and wait for it to end: return when it is Complete, raise StageError
+    when it Failed; a stop or an error while waiting deletes it. `api`: a kubernetes_asyncio
+    CustomObjectsApi (default: in-cluster credentials)."""
+    import asyncio
+
+    asyncio.run(_run_trainjob(manifest, api, poll, log))
+
+
+async def _run_trainjob(manifest: dict, api, poll: float, log) -> None:
+    import asyncio
+
+    from qad_pipeline.config import StageError
+
+    if api is None:
+        from kubernetes_asyncio import client, config
+
+        config.load_incluster_config()
+        api = client.CustomObjectsApi()
+    name, namespace = manifest["metadata"]["name"], manifest["metadata"]["namespace"]
+    where = dict(group=GROUP, version=VERSION, namespace=namespace, plural=PLURAL)
+    await api.create_namespaced_custom_object(body=manifest, **where)
+    log(f"qad: TrainJob {namespace}/{name} created: {manifest['spec']['trainer']['numNodes']} nodes")
+    seen: dict[str, str] = {}
+    try:
+        while True:
+            job = await api.get_namespaced_custom_object(name=name, **where)
+            for condition in (job.get("status") or {}).get("conditions") or []:
+                kind, state = condition.get("type"), condition.get("status")
+                if seen.get(kind) != state:
+                    seen[kind] = state
+                    log(f"qad: TrainJob {name}: {kind}={state} {condition.get('message', '')}".rstrip())
+                if kind == "Complete" and state == "True":
+                    return
+                if kind == "Failed" and state == "True":
+                    raise StageError(f"qad: TrainJob {namespace}/{name} failed: {condition.get('message') or kind}; "
+                                     "its pods' logs have the error (kubectl logs -l "
+                                     f"jobset.sigs.k8s.io/jobset-name={name})")
+            await asyncio.sleep(poll)
+    except BaseException as err:
+        if not isinstance(err, StageError):
+            await api.delete_namespaced_custom_object(name=name, **where)
+            log(f"qad: TrainJob {name} deleted ({type(err).__name__})")
+        raise

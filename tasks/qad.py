@@ -79,6 +79,7 @@ from qad_pipeline.results.base import read_result, write_result
 from qad_pipeline.results.qad import LossCurve, QADTraining
 from qad_pipeline.results.selection import SelectionResult
 from qad_pipeline.teacher_cache import TeacherCache
+from qad_pipeline.trainjob import cluster_from_env
 from qad_pipeline.training_text import batch_indices, training_windows
 
 CHECKPOINT = "last"
@@ -254,6 +255,19 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     return result
 
 
+def submit_nodes(params: Params, layout: Layout, cluster) -> None:
+    """Run this stage's own command on qad.num_nodes nodes as a TrainJob and wait for it."""
+    import sys
+
+    from qad_pipeline.runlock import LOCK_NAME
+    from qad_pipeline.trainjob import run_trainjob, trainjob_manifest
+
+    token = json.loads((layout.root / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
+    command = ["qad-pipeline", *sys.argv[1:]]
+    run_trainjob(trainjob_manifest(params, command, str(layout.root.resolve()), token, cluster),
+                 log=lambda line: print(line, flush=True))
+
+
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str | None:
     """The QAD stage: `qad-pipeline stage qad`; with qad.num_gpus > 1, torchrun runs this same
     command in that many processes."""
@@ -261,7 +275,11 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
     if selected is None:
         raise ConfigError("no PTQ recipe was selected (see metrics/selection.json); QAD has no student")
     if params.qad.processes > 1 and "WORLD_SIZE" not in os.environ:
-        launch_processes(params, layout.root)
+        cluster = cluster_from_env() if params.qad.num_nodes > 1 else None
+        if cluster is None:  # torchrun here: this node's processes (joined with the others' with num_nodes > 1)
+            launch_processes(params, layout.root)
+        else:  # a pod of a cluster: the same command on num_nodes nodes, as a Kubeflow TrainJob
+            submit_nodes(params, layout, cluster)
         return None
     result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints,
                      layout.teacher_cache)

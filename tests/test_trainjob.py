@@ -12,11 +12,11 @@ from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 from typer.testing import CliRunner
 
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.config import PROJECT_PARAMS, ConfigError, StageError, load_params
 from qad_pipeline.distributed import rendezvous
 from qad_pipeline.runlock import LOCK_NAME, NODE_ENV
 from qad_pipeline.stages import STAGES
-from qad_pipeline.trainjob import Cluster, trainjob_manifest
+from qad_pipeline.trainjob import Cluster, cluster_from_env, run_trainjob, trainjob_manifest
 
 TOKEN = "0123456789abcdef" * 2
 NODES = ["qad.num_nodes=2", "qad.num_gpus=4", "qad.batch_size=8", "qad.sharding=fsdp", "qad.offload=true"]
@@ -31,11 +31,11 @@ def test_the_trainjob_is_valid_and_runs_the_stage_command_on_every_node():
     params = load_params(PROJECT_PARAMS, NODES)
     cluster = Cluster(image="registry.example.com/qad:v2", node_selector={"pool": "h100"},
                       tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
-    manifest = trainjob_manifest(params, "params.yaml", NODES, "/opt/qad-pipeline/runs/m-1", TOKEN, cluster)
+    command = STAGES["qad"].command(params_file="params.yaml", out_root="/opt/qad-pipeline/runs/m-1", overrides=NODES)
+    manifest = trainjob_manifest(params, command, "/opt/qad-pipeline/runs/m-1", TOKEN, cluster)
     assert json.dumps(validated(manifest), sort_keys=True) == json.dumps(manifest, sort_keys=True)
     trainer = manifest["spec"]["trainer"]
-    assert trainer["command"] == STAGES["qad"].command(params_file="params.yaml", out_root="/opt/qad-pipeline/runs/m-1",
-                                                       overrides=NODES)
+    assert trainer["command"] == command
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "4"
     assert {"name": NODE_ENV, "value": TOKEN} in trainer["env"]
@@ -48,7 +48,7 @@ def test_the_trainjob_is_valid_and_runs_the_stage_command_on_every_node():
 
 
 def test_the_validation_catches_a_misplaced_field_and_a_wrong_type():
-    manifest = trainjob_manifest(load_params(PROJECT_PARAMS, NODES), "params.yaml", [], "/w/r", TOKEN,
+    manifest = trainjob_manifest(load_params(PROJECT_PARAMS, NODES), ["qad-pipeline", "stage", "qad"], "/w/r", TOKEN,
                                  Cluster(image="qad:v2"))
     manifest["spec"]["trainer"]["numNode"] = manifest["spec"]["trainer"].pop("numNodes")  # dropped by the models
     assert "numNode" not in validated(manifest)["spec"]["trainer"]
@@ -84,3 +84,56 @@ def test_rendezvous_options(monkeypatch):
                                       "--rdzv-endpoint=qad-abc-node-0-0.qad-abc:29400", f"--rdzv-id=qad-{TOKEN[:16]}"]
     given = load_params(PROJECT_PARAMS, ["qad.num_nodes=2", "qad.rdzv_endpoint=head.example:1234"])
     assert "--rdzv-endpoint=head.example:1234" in rendezvous(given, TOKEN)
+
+
+class FakeTrainJobs:
+    """Kubernetes' custom objects API for TrainJobs, with the conditions a job goes through."""
+
+    def __init__(self, statuses, fail_get=None):
+        self.statuses, self.fail_get, self.calls = list(statuses), fail_get, []
+
+    async def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+        self.calls.append(("create", group, version, namespace, plural, body["metadata"]["name"]))
+
+    async def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self.calls.append(("get", name))
+        if self.fail_get and len(self.calls) > 2:
+            raise self.fail_get
+        return {"status": {"conditions": self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]}}
+
+    async def delete_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self.calls.append(("delete", name))
+
+
+def manifest_for_a_run():
+    return trainjob_manifest(load_params(PROJECT_PARAMS, NODES), ["qad-pipeline", "stage", "qad"], "/w/r", TOKEN,
+                             Cluster(image="qad:v2", namespace="ml"))
+
+
+def test_the_stage_waits_for_its_trainjob_and_reports_how_it_ended():
+    created = [{"type": "Created", "status": "True"}]
+    complete = [*created, {"type": "Complete", "status": "True", "message": "done"}]
+    api, lines = FakeTrainJobs([[], created, complete]), []
+    run_trainjob(manifest_for_a_run(), api=api, poll=0, log=lines.append)
+    name = manifest_for_a_run()["metadata"]["name"]
+    assert api.calls[0] == ("create", "trainer.kubeflow.org", "v1alpha1", "ml", "trainjobs", name)
+    assert [c[0] for c in api.calls].count("get") == 3 and ("delete", name) not in api.calls
+    assert lines[-1] == f"qad: TrainJob {name}: Complete=True done"
+
+    failed = FakeTrainJobs([[{"type": "Failed", "status": "True", "message": "node 1: exit code 1"}]])
+    with pytest.raises(StageError, match=f"TrainJob ml/{name} failed: node 1: exit code 1"):
+        run_trainjob(manifest_for_a_run(), api=failed, poll=0, log=lines.append)
+    assert ("delete", name) not in failed.calls  # kept, with its pods' logs
+
+    stopped = FakeTrainJobs([[]], fail_get=KeyboardInterrupt())  # the stage is stopped while it waits
+    with pytest.raises(KeyboardInterrupt):
+        run_trainjob(manifest_for_a_run(), api=stopped, poll=0, log=lines.append)
+    assert stopped.calls[-1] == ("delete", name)
+
+
+def test_a_pod_names_its_cluster_in_its_environment():
+    assert cluster_from_env({}) is None
+    cluster = cluster_from_env({"QAD_TRAINJOB_IMAGE": "reg/qad:v3", "QAD_TRAINJOB_NAMESPACE": "ml",
+                                "QAD_TRAINJOB_NODE_SELECTOR": "pool=h100,zone=a", "QAD_TRAINJOB_GPU_TOLERATION": "false"})
+    assert (cluster.image, cluster.namespace, cluster.node_selector, cluster.tolerations) == (
+        "reg/qad:v3", "ml", {"pool": "h100", "zone": "a"}, [])
