@@ -14,7 +14,8 @@ device `--device` names (params.yaml's defaults with `hardware.device` set to it
   build, calibration, baseline, ptq:<recipe> for every recipe, forward (fake-quantized vs BF16
   forward time, each PTQ checkpoint restored), selection, the BPE sweep at two budgets
   (sweep_search, sweep:<budget>, bpe_sweep), qad (a few steps: tokens/s and model-FLOPs
-  utilisation against the GPU's dense BF16 peak), final_eval, export (its serving check only where
+  utilisation against the GPU's dense BF16 peak), final_eval, qad_cached (the teacher_cache stage,
+  then the same QAD reading it instead of a teacher), export (its serving check only where
   a vLLM environment exists: this machine has none unless QAD_VLLM_ENV points at one; it says so)
 
 Each stage prints its wall time, its peak GPU memory and what it measured; a stage whose inputs
@@ -310,6 +311,19 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
 
     trained = check.run(tag, "qad", qad, student is not None) is not None
     check.run(tag, "final_eval", stage("final_eval"), trained)
+
+    def qad_cached():  # the cached teacher: the teacher_cache stage, then QAD reading it (no teacher loaded)
+        from tasks.qad import run_qad
+        from tasks.teacher_cache import main as write_teacher_cache
+
+        cached = params.model_copy(update={"qad": params.qad.model_copy(update={"teacher": "cached"})})
+        written = write_teacher_cache(cached, layout)
+        r = run_qad(cached, layout.ptq(student) / "checkpoint", layout.data, layout.root / "artifacts" / "qad_cached",
+                    layout.root / "artifacts" / "qad_cached_checkpoints", teacher_cache=layout.teacher_cache)
+        tokens_s = r["steps_per_second"] * r["tokens_per_step"]
+        return r, f"{written}; QAD {tokens_s:.0f} tokens/s, KD loss {r['first_loss']:.4g} -> {r['final_loss']:.4g}"
+
+    check.run(tag, "qad_cached", qad_cached, student is not None)
 
     def export():
         from qad_pipeline.serving import vllm_env
