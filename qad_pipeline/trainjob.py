@@ -131,8 +131,8 @@ def trainjob_command(
     qad.num_nodes nodes (apply it with `kubectl apply -f -`)."""
     import yaml
 
-    from qad_pipeline.cli import _fail
     from qad_pipeline.config import load_params
+    from qad_pipeline.redaction import redact_text
     from qad_pipeline.runlock import LOCK_NAME
 
     try:
@@ -152,8 +152,9 @@ def trainjob_command(
                           tolerations=tolerations)
         command = STAGES["qad"].command(params_file=str(params_file), out_root=str(out_root), overrides=items)
         manifest = trainjob_manifest(params, command, str(out_root), holder["token"], cluster)
-    except ConfigError as err:
-        _fail(err)
+    except ConfigError as err:  # as the CLI's other commands refuse: one line, exit 2
+        typer.echo(f"error: {redact_text(str(err))}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(yaml.safe_dump(manifest, sort_keys=False))
 
 

@@ -315,7 +315,6 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     def qad_cached():  # the cached teacher: the teacher_cache stage, then QAD reading it (no teacher loaded)
         from tasks.qad import run_qad
         from tasks.teacher_cache import main as write_teacher_cache
-
         cached = params.model_copy(update={"qad": params.qad.model_copy(update={"teacher": "cached"})})
         written = write_teacher_cache(cached, layout)
         r = run_qad(cached, layout.ptq(student) / "checkpoint", layout.data, layout.root / "artifacts" / "qad_cached",

@@ -21,12 +21,14 @@ def test_dvc_yaml_is_generated_from_the_registry():
 def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     stages = yaml.safe_load(dvc_yaml())["stages"]
     assert list(STAGES) == [s.value for s in Stage]
-    # the project's params.yaml does not sweep: no sweep stage, and nothing waits for one's files
-    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep]
+    # the project's params.yaml does not sweep and has a live teacher: no sweep stage, no teacher
+    # cache, and nothing waits for their files
+    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep and not s.cached_teacher]
     deps = {dep for stage in stages.values() for dep in stage.get("do", stage)["deps"]}
-    assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json"}
-    swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee"})))["stages"]
-    assert list(swept) == list(STAGES) and "metrics/bpe_sweep.json" in swept["selection"]["deps"]
+    assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json", "artifacts/teacher_cache"}
+    swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee", "qad.teacher": "cached"})))
+    assert list(swept["stages"]) == list(STAGES) and "metrics/bpe_sweep.json" in swept["stages"]["selection"]["deps"]
+    assert "artifacts/teacher_cache" in swept["stages"]["qad"]["deps"]
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
@@ -133,7 +135,8 @@ def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its
     users = {module: {name for name, s in STAGES.items() if module in code_modules(s.module)}
              for module in ("qad_pipeline.results.export", "qad_pipeline.results.data", "qad_pipeline.results.qad")}
     assert users["qad_pipeline.results.export"] == {"export"}
-    assert users["qad_pipeline.results.data"] == {"calibration", "qad"}  # QAD reads the calibration manifest
+    # QAD and the teacher cache read the calibration manifest (for the training windows)
+    assert users["qad_pipeline.results.data"] == {"calibration", "qad", "teacher_cache"}
     assert users["qad_pipeline.results.qad"] == {"qad", "final_eval"}
 
 
