@@ -277,7 +277,7 @@ def compare(
 
 @app.command("prefect-setup")
 def prefect_setup(
-    kubernetes: Annotated[bool, typer.Option(help="Kubernetes pools with infra/k8s/ job templates")] = False,
+    kubernetes: Annotated[bool, typer.Option(help="Kubernetes pools with the infra/k8s/base/ job templates")] = False,
     heartbeat_timeout: Annotated[int, typer.Option(help="seconds without a heartbeat before Crashed")] = 90,
 ) -> None:
     """Create the work pools (qad-control, qad-gpu) and the automation that crashes dead flow runs."""

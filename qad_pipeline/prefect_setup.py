@@ -1,7 +1,7 @@
 """`qad-pipeline prefect-setup`: the work pools and the crash-detection automation, in one command.
 
 - `qad-control` and `qad-gpu` work pools: process pools (a local machine), or Kubernetes pools
-  with the base job templates in infra/k8s/ (`--kubernetes`; one `nvidia.com/gpu` per recipe run).
+  with the base job templates of infra/k8s/base/ (`--kubernetes`; one `nvidia.com/gpu` per recipe run).
   An existing pool is left as it is.
 - The automation "qad-pipeline: crash unresponsive flow runs": a flow run that was sending
   heartbeats and stops for `heartbeat_timeout` seconds without reaching a final state is marked
@@ -22,7 +22,7 @@ POOLS = {"qad-control": "control-base-job-template.json", "qad-gpu": "gpu-base-j
 AUTOMATION = "qad-pipeline: crash unresponsive flow runs"
 
 
-def create_pools(kubernetes: bool, template_dir: Path = PROJECT_ROOT / "infra" / "k8s") -> list[str]:
+def create_pools(kubernetes: bool, template_dir: Path = PROJECT_ROOT / "infra" / "k8s" / "base") -> list[str]:
     """Create the two work pools that do not exist yet; returns what was done, one line each."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate

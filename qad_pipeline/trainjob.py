@@ -49,13 +49,13 @@ SHARED = ("artifacts", "metrics", "runs", "checkpoints")  # mounted over the ima
 
 @dataclass(frozen=True)
 class Cluster:
-    """Where the job runs: the same values as the `qad-gpu` pool's job template (infra/k8s)."""
+    """Where the job runs: the same values as the `qad-gpu` pool's job template (infra/k8s/base)."""
 
     image: str
     namespace: str = "qad"
     runtime: str = "torch-distributed"
     workspace_claim: str = "qad-workspace"
-    secret_name: str = "qad-secrets"  # holds HF_TOKEN
+    secret_name: str = "qad-hf"  # holds HF_TOKEN (infra/README.md, "Secrets")
     gpu_resource: str = "nvidia.com/gpu"
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict] = field(default_factory=list)

@@ -22,9 +22,10 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 K8S = INFRA / "k8s"
-TEMPLATES = {"qad-gpu": K8S / "gpu-base-job-template.json", "qad-control": K8S / "control-base-job-template.json"}
-WORKERS = {"qad-gpu": K8S / "worker-gpu.yaml", "qad-control": K8S / "worker-control.yaml"}
-MANIFESTS = [K8S / "base.yaml", *WORKERS.values()]
+BASE = K8S / "base"
+TEMPLATES = {"qad-gpu": BASE / "gpu-base-job-template.json", "qad-control": BASE / "control-base-job-template.json"}
+WORKERS = {"qad-gpu": BASE / "worker-gpu.yaml", "qad-control": BASE / "worker-control.yaml"}
+OVERLAYS = {"external": K8S / "overlays" / "external", "trial": K8S / "overlays" / "trial"}
 GPU = "nvidia.com/gpu"
 
 # prefect-kubernetes refuses a job manifest without these two keys in the pod template's spec
@@ -69,15 +70,8 @@ def requirement(name: str) -> Requirement:
     return next(r for r in reqs if r.name == name)
 
 
-@functools.cache
 def dotenv_example() -> dict:
-    env = {}
-    for line in (INFRA / ".env.example").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            env[key.strip()] = value.strip()
-    return env
+    return env_file(INFRA / ".env.example")
 
 
 _COMPOSE_VAR = re.compile(
@@ -145,10 +139,29 @@ def docker_args(path: Path = INFRA / "Dockerfile") -> dict:
     return args
 
 
+def container_args(container: dict) -> list[str]:
+    """command + args, with the `$(VAR)` references Kubernetes fills from the container's env values."""
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg)
+            for arg in container.get("command", []) + container.get("args", [])]
+
+
 def worker_args(pool: str) -> list[str]:
     (deployment,) = yaml_docs(WORKERS[pool])
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    return container.get("command", []) + container["args"]
+    return container_args(container)
+
+
+@functools.cache
+def env_file(path: Path) -> dict:
+    """KEY=value lines of an env file (kustomize's `envs:`, compose's `.env`), comments dropped."""
+    env = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return env
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,19 +9,24 @@ import json
 import re
 import shlex
 
+import yaml
+
 from tests.infra_commands import check_command, readme_commands, shell_commands
 from tests.infra_files import (
+    BASE,
     INFRA,
     ROOT,
     TEMPLATES,
     WORKERS,
     compose,
+    container_args,
     docker_args,
     dockerfile,
     pyproject,
-    template,
     worker_args,
+    yaml_docs,
 )
+from tests.infra_kustomize import containers, pod_templates, rendered
 
 
 def test_every_command_in_infra_exists():
@@ -41,6 +46,9 @@ def test_every_command_in_infra_exists():
                     checked += check_command(argv, f"{path.name} RUN")
     for argv in readme_commands():
         checked += check_command(argv, "infra/README.md")
+    for name, spec in pod_templates(rendered("trial")).items():  # the trial's servers
+        for container in containers(spec):
+            checked += check_command(container_args(container), f"overlays/trial {name}")
     assert checked >= 15, f"only {checked} commands found to check"
     assert "qad-pipeline" in pyproject()["project"]["scripts"]
 
@@ -48,18 +56,23 @@ def test_every_command_in_infra_exists():
 def test_readme_covers_the_walkthrough():
     text = (INFRA / "README.md").read_text()
     commands = [shlex.join(c) for c in readme_commands()]
-    for pool, path in TEMPLATES.items():
-        wanted = f"prefect work-pool create {pool} --type kubernetes --base-job-template {path.relative_to(ROOT)}"
-        assert wanted in commands, f"the README does not create {pool} with its template"
+    assert "kubectl apply -k infra/k8s/overlays/trial" in commands
     for needed in ("prefect --no-prompt deploy --all", "prefect deployment run qad-pipeline/default",
-                   "prefect deployment schedule resume watch-base-checkpoints/cron"):
+                   "prefect deployment schedule resume watch-base-checkpoints/cron", "qad-pipeline prefect-setup --kubernetes"):
         assert any(needed in c for c in commands), needed
-    # The image is set as the templates' default with sed: its pattern must be that default.
-    (sed,) = [c for c in readme_commands() if c[:2] == ["sed", "-i"]]
-    old_image = re.fullmatch(r's#"([^"]+)"#"[^"]+"#', sed[2])[1]
+    # No hand edits: the image and every other value are overlay values, not sed.
+    for doc in (INFRA / "README.md", ROOT / "README.md"):
+        for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", doc.read_text(), re.DOTALL):
+            assert not [c for c in shell_commands(block) if c[:1] == ["sed"]], f"{doc.name}: a sed step is left"
+    # Each worker's init container makes its pool from that pool's template, mounted from qad-work-pools.
+    generated = yaml.safe_load((BASE / "kustomization.yaml").read_text())["configMapGenerator"]
+    files = next(g["files"] for g in generated if g["name"] == "qad-work-pools")
     for pool, path in TEMPLATES.items():
-        assert template(pool)["variables"]["properties"]["image"]["default"] == old_image
-        assert str(path.relative_to(ROOT)) in sed[3:]
+        (deployment,) = yaml_docs(WORKERS[pool])
+        (init,) = deployment["spec"]["template"]["spec"]["initContainers"]
+        assert init["command"][:3] == ["python", "/etc/qad/work-pools/sync_work_pool.py", pool]
+        assert init["command"][3] == f"/etc/qad/work-pools/{path.name}" and path.name in files
+        assert "sync_work_pool.py" in files
     for path in set(re.findall(r"(?<![\w/])(infra/[\w./-]+[\w])", text)) - {"infra/.env"}:  # .env: the reader's
         assert (ROOT / path).exists(), f"the README names {path}, which does not exist"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from tests.infra_files import INFRA, K8S, compose, compose_variables, dotenv_example, interpolate, yaml_docs
+from tests.infra_files import BASE, INFRA, compose, compose_variables, dotenv_example, env_file, interpolate, yaml_docs
 
 
 def walk_strings(obj):
@@ -137,9 +137,14 @@ def test_compose_databases_and_stores():
     prefect_db = services["prefect-server"]["environment"]["PREFECT_SERVER_DATABASE_CONNECTION_URL"]
     assert re.match(r"postgresql\+asyncpg://[^@]+@postgres:5432/(\w+)$", prefect_db), prefect_db
     assert prefect_db.rsplit("/", 1)[1] == services["postgres"]["environment"]["POSTGRES_DB"]
-    assert services["prefect-server"]["environment"]["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
-    # The ConfigMap's server URLs use the ports compose publishes.
-    config = next(d for d in yaml_docs(K8S / "base.yaml") if d["kind"] == "ConfigMap")["data"]
+    prefect_env = services["prefect-server"]["environment"]
+    assert prefect_env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+    # Concurrency leases on disk (README, "Configuration"), under PREFECT_HOME on a named volume.
+    assert prefect_env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == "prefect.server.concurrency.lease_storage.filesystem"
+    mounts = dict(v.split(":")[:2][::-1] for v in services["prefect-server"]["volumes"])
+    assert mounts.get(prefect_env["PREFECT_HOME"]) in compose()["volumes"], "PREFECT_HOME must be on a volume"
+    # The base ConfigMap's example server URLs use the ports compose publishes.
+    config = env_file(BASE / "qad-config.env")
     for key, service in (("PREFECT_API_URL", "prefect-server"), ("MLFLOW_TRACKING_URI", "mlflow")):
         port = int(re.search(r":(\d+)", config[key].split("://", 1)[1])[1])
         assert port in {int(str(p).rsplit(":", 2)[-2]) for p in services[service]["ports"]}, key

@@ -11,7 +11,7 @@ import yaml
 from packaging.version import Version
 
 from tests.infra_commands import shell_commands
-from tests.infra_files import INFRA, ROOT, WORKERS, compose, docker_args, dockerfile, pyproject, requirement, yaml_docs
+from tests.infra_files import INFRA, K8S, ROOT, WORKERS, compose, docker_args, dockerfile, pyproject, requirement, yaml_docs
 
 # ---------------------------------------------------------------------------------------------
 # the files parse
@@ -20,12 +20,17 @@ from tests.infra_files import INFRA, ROOT, WORKERS, compose, docker_args, docker
 def test_every_infra_file_parses():
     expected = {
         "Dockerfile", "Dockerfile.dockerignore", "README.md", "compose.yaml", "mlflow.Dockerfile",
-        "postgres-init.sql", ".env.example", "k8s/base.yaml", "k8s/gpu-base-job-template.json",
-        "k8s/control-base-job-template.json", "k8s/worker-gpu.yaml", "k8s/worker-control.yaml",
+        "postgres-init.sql", ".env.example", "k8s/base/kustomization.yaml", "k8s/base/cluster.yaml",
+        "k8s/base/qad-config.env", "k8s/base/gpu-base-job-template.json", "k8s/base/control-base-job-template.json",
+        "k8s/base/worker-gpu.yaml", "k8s/base/worker-control.yaml", "k8s/base/sync_work_pool.py",
+        "k8s/overlays/external/kustomization.yaml", "k8s/overlays/trial/kustomization.yaml",
+        "k8s/components/gpu-pool-4/kustomization.yaml",
     }
     present = {p.relative_to(INFRA).as_posix() for p in INFRA.rglob("*") if p.is_file()}
     assert expected <= present, f"missing in infra/: {sorted(expected - present)}"
     for path in INFRA.rglob("*"):
+        if path.suffix == ".py":
+            compile(path.read_text(), str(path), "exec")
         if path.suffix in (".yaml", ".yml"):
             assert yaml_docs(path), f"{path} is empty"
         elif path.suffix == ".json":
@@ -49,15 +54,21 @@ def test_versions_agree_everywhere():
     assert Version(prefect_version) in requirement("prefect").specifier
     assert Version(mlflow_version) in requirement("mlflow").specifier
     images = [compose()["services"]["prefect-server"]["image"]]
-    for path in WORKERS.values():
-        (deployment,) = yaml_docs(path)
-        images += [c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]]
+    for path in [*WORKERS.values(), *(K8S / "overlays" / "trial").glob("*.yaml"), *(K8S / "components").glob("*/*.yaml")]:
+        for doc in yaml_docs(path):
+            if doc.get("kind") in ("Deployment", "StatefulSet"):
+                spec = doc["spec"]["template"]["spec"]
+                images += [c["image"] for c in spec.get("initContainers", []) + spec["containers"]
+                           if c["image"].startswith("prefecthq/")]
     for image in images:
         assert re.fullmatch(rf"prefecthq/prefect:{re.escape(prefect_version)}-python3\.\d+(-kubernetes)?", image), (
             f"{image}: the Prefect server, the workers and the flow image share Prefect {prefect_version}")
     assert docker_args(INFRA / "mlflow.Dockerfile")["MLFLOW_VERSION"] == mlflow_version
     for name in ("mlflow", "create-bucket"):
         assert compose()["services"][name]["image"].endswith(f":{mlflow_version}")
+    (mlflow,) = [d for d in yaml_docs(K8S / "overlays" / "trial" / "mlflow.yaml") if d["kind"] == "Deployment"]
+    spec = mlflow["spec"]["template"]["spec"]
+    assert {c["image"] for c in spec["initContainers"] + spec["containers"]} == {f"qad-mlflow-server:{mlflow_version}"}
 
 
 def test_dockerfile_builds_the_project_on_cuda_torch():

@@ -1,14 +1,12 @@
-"""Offline checks of the work pools' base job templates (infra/k8s/*-base-job-template.json): against
+"""Offline checks of the work pools' base job templates (infra/k8s/base/*-base-job-template.json): against
 Prefect's work-pool validation, JSON Schema, and prefect-kubernetes' `KubernetesWorkerJobConfiguration`,
 which renders them exactly as the worker does; the rendered Jobs against the Kubernetes API models."""
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib.util
 import json
-import uuid
 
 import jsonschema
 import pytest
@@ -24,6 +22,7 @@ from tests.infra_files import (
     resource_quantities,
     template,
 )
+from tests.infra_kustomize import API_URL, render_job
 
 # ---------------------------------------------------------------------------------------------
 # rendering a base job template as the Kubernetes worker does
@@ -40,24 +39,7 @@ def sample_value(schema: dict):
 
 def render(pool: str, values: dict) -> dict:
     """The Job manifest prefect-kubernetes would submit for a flow run of a deployment on `pool`."""
-    if importlib.util.find_spec("prefect_kubernetes") is None:
-        pytest.skip(NEEDS_PREFECT_KUBERNETES)
-    from prefect.client.schemas.objects import FlowRun
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
-    class NoApi:
-        """Stands in for the API client: the templates hold no block or variable references."""
-
-    async def build():
-        return await KubernetesWorkerJobConfiguration.from_template_and_values(
-            copy.deepcopy(template(pool)), values, client=NoApi()
-        )
-
-    with temporary_settings({PREFECT_API_URL: "http://prefect-server.qad.svc:4200/api"}):
-        config = asyncio.run(build())
-        config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="brave-otter", flow_id=uuid.uuid4()))
-    return config.job_manifest
+    return render_job(template(pool), values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +100,7 @@ def test_rendered_job_is_a_valid_kubernetes_job(pool, variables):
         assert isinstance(value, str) and QUANTITY.match(value), f"{name}: {value!r} is not a Kubernetes quantity"
     container = pod_spec(manifest)["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["PREFECT_API_URL"] == "http://prefect-server.qad.svc:4200/api", "the worker passes its API URL on"
+    assert env["PREFECT_API_URL"] == API_URL, "the worker passes its API URL on"
     assert container["args"][:3] == ["prefect", "flow-run", "execute"]
 
 
