@@ -213,6 +213,32 @@ def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
     assert one["resources"]["limits"][GPU] == "1"
 
 
+def test_multinode_qad_component_lets_the_qad_pod_launch_its_trainjob(tmp_path):
+    """components/multinode-qad: the flow-run pods' identity may create, follow and delete TrainJobs
+    (and nothing more), with a token; the job's image in qad-config is the overlay's."""
+    overlay = tmp_path / "with-multinode-qad"
+    overlay.mkdir()
+    rel = os.path.relpath(K8S, overlay)
+    text = (OVERLAYS["external"] / "kustomization.yaml").read_text()
+    overlay.joinpath("kustomization.yaml").write_text(
+        text.replace("  - ../../base\n", f"  - {rel}/base\ncomponents:\n  - {rel}/components/multinode-qad\n"))
+    objs = build(overlay)
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    from qad_pipeline.trainjob import cluster_from_env
+
+    config = find(objs, "ConfigMap", "qad-config")["data"]
+    cluster = cluster_from_env({**config, "QAD_TRAINJOB_NAMESPACE": "qad"})
+    assert cluster.image == EXPECTED["external"]["image"] and cluster.runtime == "torch-distributed"
+    assert find(objs, "ServiceAccount", "qad-job")["automountServiceAccountToken"] is True
+    (rule,) = find(objs, "Role", "qad-trainjob-launcher")["rules"]
+    assert (rule["apiGroups"], rule["resources"], set(rule["verbs"])) == (
+        ["trainer.kubeflow.org"], ["trainjobs"], {"create", "get", "delete"})
+    binding = find(objs, "RoleBinding", "qad-trainjob-launcher")
+    assert binding["subjects"][0]["name"] == "qad-job" and binding["roleRef"]["name"] == "qad-trainjob-launcher"
+
+
 @pytest.mark.parametrize("values, error", [
     ({"memroy_request": "8Gi"}, "'memroy_request' is not a job variable of this template (valid: gpus, "),
     ({"node_selector": "{gpu: yes"}, "node_selector: '{gpu: yes' is not JSON"),
