@@ -37,7 +37,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from qad_pipeline.config import ConfigError, check_recipes, load_params, parse_override
+from qad_pipeline.config import ConfigError, load_params, parse_override
+from qad_pipeline.preflight import check_recipes
 from qad_pipeline.stages import with_sweep
 
 WATCHER_KEYS = ("base_model.path", "base_model.revision")  # what the watcher sets for each checkpoint

@@ -25,11 +25,10 @@ from qad_pipeline.config import (
     ConfigError,
     Params,
     StageError,
-    check_recipes,
     load_params,
 )
 from qad_pipeline.layout import Layout, output_root
-from qad_pipeline.preflight import preflight
+from qad_pipeline.preflight import check_recipes, preflight
 from qad_pipeline.runlock import TOKEN_ENV, run_lock
 from qad_pipeline.stages import STAGES
 

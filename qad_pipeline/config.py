@@ -190,6 +190,24 @@ class SelectionParams(_Section):
         return band
 
 
+class RaceParams(_Section):
+    """Racing the candidates' evaluation (`race` stage: tasks/race.py; decisions: qad_pipeline/racing.py):
+    round k ends when each task's first `fractions[k]` of its items are scored; between rounds a
+    candidate that cannot be selected at `confidence` stops. Off: every candidate scores every item."""
+
+    enabled: bool = False
+    fractions: list[float] = Field(min_length=1)
+    confidence: float = Field(gt=0.5, lt=1)
+    seed: int = 0
+
+    @field_validator("fractions")
+    @classmethod
+    def _rounds(cls, f: list[float]) -> list[float]:
+        if any(not 0 < x <= 1 for x in f) or f != sorted(set(f)) or f[-1] != 1:
+            raise ValueError(f"fractions must rise strictly within (0, 1] and end at 1.0 (every item), got {f}")
+        return f
+
+
 class SweepParams(_Section):
     """The BPE sweep: one AutoQuantize recipe run at each budget (tasks/sweep.py), the knee chosen
     where more bits stop buying recovery (tasks/bpe_sweep.py)."""
@@ -262,6 +280,7 @@ class Params(_Section):
     ptq: PTQParams
     eval: EvalParams
     selection: SelectionParams
+    race: RaceParams
     sweep: SweepParams
     qad: QADParams
     export: ExportParams
@@ -378,20 +397,3 @@ def check_no_secrets(data: dict, source: str) -> None:
         if found:
             raise ConfigError(f"{source}: {key} holds {found}; give secrets to the process through the "
                               "environment (HF_TOKEN, AWS_*, MLFLOW_TRACKING_PASSWORD, ...), never in a parameter")
-
-
-def check_recipes(params: Params, root: Path | None = None, sweep: bool = False) -> None:
-    """Every named recipe has its file (with `sweep`, the sweep's too): an unknown name fails
-    listing the ones that exist."""
-    recipe_dir = resolve(params.ptq.recipe_dir, root)
-    available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))
-    for name in [*params.ptq.recipes, *([params.sweep.recipe] if sweep else [])]:
-        if not (recipe_dir / f"{name}.yaml").is_file():
-            raise ConfigError(
-                f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"
-            )
-    exported = params.export.source.removeprefix("ptq/")
-    if params.export.source.startswith("ptq/") and exported not in params.ptq.recipes and not (
-            sweep and exported.startswith(f"{params.sweep.recipe}@")):
-        raise ConfigError(f"export.source {params.export.source!r} is not a candidate of this run; valid: auto, qad, "
-                          "none, " + ", ".join(f"ptq/{name}" for name in params.ptq.recipes))

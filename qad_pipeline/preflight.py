@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from qad_pipeline.config import ConfigError, Params, check_recipes
+from qad_pipeline.config import ConfigError, Params, resolve
 from qad_pipeline.redaction import secret_in
 
 
@@ -93,3 +93,20 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
         from qad_pipeline.serving import vllm_python
 
         vllm_python()  # the export's serving check needs it: say so now, not after QAD
+
+
+def check_recipes(params: Params, root: Path | None = None, sweep: bool = False) -> None:
+    """Every named recipe has its file (with `sweep`, the sweep's too): an unknown name fails
+    listing the ones that exist."""
+    recipe_dir = resolve(params.ptq.recipe_dir, root)
+    available = sorted(p.stem for p in recipe_dir.glob("*.yaml"))
+    for name in [*params.ptq.recipes, *([params.sweep.recipe] if sweep else [])]:
+        if not (recipe_dir / f"{name}.yaml").is_file():
+            raise ConfigError(
+                f"unknown recipe {name!r}: no {recipe_dir / (name + '.yaml')}; available: {available}"
+            )
+    exported = params.export.source.removeprefix("ptq/")
+    if params.export.source.startswith("ptq/") and exported not in params.ptq.recipes and not (
+            sweep and exported.startswith(f"{params.sweep.recipe}@")):
+        raise ConfigError(f"export.source {params.export.source!r} is not a candidate of this run; valid: auto, qad, "
+                          "none, " + ", ".join(f"ptq/{name}" for name in params.ptq.recipes))

@@ -2,7 +2,8 @@
 
 import pytest
 
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, check_recipes, load_params
+from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.preflight import check_recipes
 
 
 def test_defaults_load_and_name_five_recipes_with_files():
