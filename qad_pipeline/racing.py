@@ -187,8 +187,8 @@ def decide(contenders: list[Contender], ids: dict[str, list[int]], baseline: dic
 
 
 def run_race(contenders: list[Contender], baseline: dict, baseline_items: dict, rounds: list[dict[str, list[int]]],
-             floor: float, confidence: float, score: Callable[[Contender, dict[str, list[int]]], dict]) -> RaceOutcome:
-    """The race: round by round, `score(contender, ids)` returns the contender's items on the ids it
+             floor: float, confidence: float, score: Callable[[Contender, dict[str, list[int]], int], dict]) -> RaceOutcome:
+    """The race: round by round, `score(contender, ids, round)` returns the contender's items on the ids it
     lacks (the stage: from its checkpoint, or from what a killed run stored; the replay test: a
     table's full results); after each round but the last, `decide` stops who cannot be selected."""
     alpha = tail(confidence, len(rounds))
@@ -199,7 +199,7 @@ def run_race(contenders: list[Contender], baseline: dict, baseline_items: dict, 
         for c in alive:
             lacking = missing(c.items, ids)
             if lacking:
-                c.items = merge(c.items, score(c, lacking))
+                c.items = merge(c.items, score(c, lacking, r))
                 scored.append(c.name)
         outcome.by_round.append(scored)
         if r < len(rounds):

@@ -71,7 +71,7 @@ def replay(table, floor=0.95):
     contenders = [racing.Contender(n, compression(r), scores_of(full[n]), racing.restrict(full[n], rounds[0]))
                   for n, r in zip(names, full_rows)]
     outcome = racing.run_race(contenders, baseline, baseline_items, rounds, floor, CONFIDENCE,
-                              lambda c, ids: racing.restrict(full[c.name], ids))
+                              lambda c, ids, r: racing.restrict(full[c.name], ids))
     return pick, full_rows, outcome
 
 
