@@ -147,6 +147,12 @@ def test_yaml_error_in_a_set_value_names_the_item_and_column(tmp_path):
         ("selection.ptq_final_min=1.5", "selection.ptq_final_min = 1.5: Input should be less than or equal to 1"),
         ("ptq.gpus_per_recipe=0", "gpus_per_recipe must be 'auto' or a positive integer, got 0"),
         ("ptq.layerwise=maybe", "layerwise must be true, false or 'auto', got 'maybe'"),
+        ("race.fractions=[0.5, 0.25, 1.0]",
+         "race.fractions = [0.5, 0.25, 1.0]: Value error, fractions must rise strictly within (0, 1] and end at 1.0"),
+        ("race.fractions=[0.25, 0.5]", "fractions must rise strictly within (0, 1] and end at 1.0 (every item), "
+                                       "got [0.25, 0.5]"),
+        ("race.confidence=1", "race.confidence = 1: Input should be less than 1"),
+        ("race.enabled=maybe", "race.enabled = 'maybe': Input should be a valid boolean"),
     ],
 )
 def test_ranges_across_keys(item, message, tmp_path):
