@@ -119,16 +119,16 @@ def test_a_candidate_below_the_floor_and_one_outranked_stop_after_round_one():
 
 @pytest.fixture(scope="module")
 def replays():
-    """60 tables: half with losses spread over 0-10 %, half near the floor (3-8 %), where the pick
+    """40 tables: half with losses spread over 0-10 %, half near the floor (3-8 %), where the pick
     is in doubt."""
     rng = np.random.default_rng(2026)
-    return [replay(random_table(rng, losses=(0.0, 0.10) if i % 2 else (0.03, 0.08))) for i in range(60)]
+    return [replay(random_table(rng, losses=(0.0, 0.10) if i % 2 else (0.03, 0.08))) for i in range(40)]
 
 
 def test_racing_drops_the_full_pick_no_more_often_than_its_error_rate(replays):
     picked = [(pick, outcome) for pick, _, outcome in replays if pick is not None]
     dropped = [pick for pick, outcome in picked if pick in outcome.stops]
-    assert len(picked) >= 50  # most tables have a pick: the replay tests something
+    assert len(picked) >= 33  # most tables have a pick: the replay tests something
     assert len(dropped) / len(picked) <= 1 - CONFIDENCE, dropped
     # and racing saved work: most candidates stopped before the last round
     spent = sum(sum(o.spent.values()) for _, _, o in replays)
@@ -139,7 +139,7 @@ def test_racing_drops_the_full_pick_no_more_often_than_its_error_rate(replays):
 def test_racing_never_drops_a_pick_that_wins_beyond_the_noise(replays):
     clear = [(pick, outcome) for pick, full_rows, outcome in replays
              if pick is not None and wins_beyond_the_noise(pick, full_rows, 0.95)]
-    assert len(clear) >= 10
+    assert len(clear) >= 8
     assert [pick for pick, outcome in clear if pick in outcome.stops] == []
 
 
@@ -151,3 +151,40 @@ def test_racing_changes_no_pick_it_keeps(replays):
             continue
         left = [replace(r) for r in full_rows if r.name not in outcome.stops]
         assert select_recipe(left, SELECTION).selected == pick
+
+
+def test_on_the_demos_stored_full_results_racing_picks_the_same_recipe_with_less_than_half_the_items():
+    """tests/data/demo_full_eval.json: the demo's five recipes, each evaluated on every item (params.yaml
+    defaults; written from a full run by the race's measurement, README "Racing the recipes")."""
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "demo_full_eval.json").read_text())
+    baseline, baseline_items = {"tasks": data["baseline"]["tasks"]}, data["baseline"]["items"]
+    full_rows, contenders = [], []
+    rounds = racing.round_ids(baseline_items, FRACTIONS, seed=0)
+    for name, r in data["recipes"].items():
+        scored = score_recovery({"tasks": r["tasks"]}, r["items"], baseline, baseline_items)
+        row = RecipeRow(name, "ok", scored["median_recovery"], r["effective_bpe"], r["kv_cache"],
+                        median_recovery_ci=tuple(scored["median_recovery_ci"]))
+        full_rows.append(row)
+        contenders.append(racing.Contender(name, compression(row), {"tasks": r["tasks"]},
+                                           racing.restrict(r["items"], rounds[0])))
+    pick = select_recipe(full_rows, SELECTION).selected
+    outcome = racing.run_race(contenders, baseline, baseline_items, rounds, 0.95, CONFIDENCE,
+                              lambda c, ids, k: racing.restrict(data["recipes"][c.name]["items"], ids))
+    assert pick is not None and pick not in outcome.stops
+    left = [r for r in full_rows if r.name not in outcome.stops]
+    assert select_recipe(left, SELECTION).selected == pick
+    spent, full = sum(outcome.spent.values()), outcome.full * len(outcome.spent)
+    assert spent / full <= 0.6, (spent, full)  # the issue asks for a 40 % reduction
+
+
+def test_selection_shows_a_stopped_candidate_but_never_chooses_it():
+    rows = [RecipeRow("small", "ok", 0.90, 7.6, "nvfp4", median_recovery_ci=(0.88, 0.93)),
+            RecipeRow("big", "ok", 0.99, 8.1, "fp8", median_recovery_ci=(0.98, 1.0))]
+    assert select_recipe(rows, SELECTION).selected == "big"
+    stopped = {"big": "big stopped after round 1 (137 items): ..."}
+    chosen = select_recipe(rows, SELECTION, stopped)
+    assert chosen.selected is None and stopped["big"] in chosen.reason
+    assert [r["name"] for r in chosen.table] == ["big", "small"]  # still in the table
