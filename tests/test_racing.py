@@ -188,3 +188,20 @@ def test_selection_shows_a_stopped_candidate_but_never_chooses_it():
     chosen = select_recipe(rows, SELECTION, stopped)
     assert chosen.selected is None and stopped["big"] in chosen.reason
     assert [r["name"] for r in chosen.table] == ["big", "small"]  # still in the table
+
+
+def test_the_race_has_an_mlflow_run_only_in_a_run_that_races(tmp_path):
+    from qad_pipeline.config import load_params
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.results.base import write_result
+    from qad_pipeline.results.race import RaceStop
+    from qad_pipeline.tracking.children import read_children
+    from tests.samples import race_result
+
+    layout = Layout(tmp_path)
+    stop = RaceStop(round=1, items=137, why="beaten", by="a", text="b stopped after round 1 (137 items): ...")
+    write_result(layout.race_metrics, race_result({"b": stop}))
+    [child] = read_children(layout, load_params(overrides=["race.enabled=true"]))
+    assert child.stage == "race" and child.metrics["items_spent"] == 548 + 137
+    assert child.metrics["candidates.stopped"] == 1.0 and child.tags["stopped.b"] == "round 1: beaten"
+    assert read_children(layout, load_params()) == []  # an earlier run's race.json is not this run's
