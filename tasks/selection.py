@@ -125,7 +125,7 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[
     if failed:
         notes += f" Failed recipes left out: {', '.join(failed)}."
     if stopped:
-        notes += " Racing stopped " + "; ".join(stopped.values()) + "; the others were scored on every item."
+        notes += " Racing: " + "; ".join(stopped.values()) + "; the others were scored on every item."
     table = [asdict(r) for r in sorted(rows, key=lambda r: ({"ok": 0, "alias": 1}.get(r.status, 2), r.name))]
 
     if not ok:
@@ -230,7 +230,7 @@ def run_selection(params: Params, layout: Layout) -> Selection:
     stopped = {c.name: c.stopped.text for c in race.candidates if c.stopped} if race else {}
     selection = select_recipe(list(rows.values()), params.selection, stopped)
     if race is not None:
-        spent = (f" Racing: {race.items_spent} of {race.items_full} eval items scored "
+        spent = (f" Racing scored {race.items_spent} of {race.items_full} eval items "
                  f"({100 * race.saved:.0f} % saved; rounds at {race.fractions} of each task's items).")
         selection = replace(selection, reason=selection.reason + spent, racing=dict(
             items_spent=race.items_spent, items_full=race.items_full, saved=race.saved, fractions=race.fractions,

@@ -70,7 +70,7 @@ def test_ptq_scores_round_one_and_the_race_the_rest_as_a_full_evaluation_would(r
 
     selection = read_result(layout.selection_metrics, SelectionResult)
     assert selection.racing.items_spent == result.items_spent and selection.racing.items_full == result.items_full
-    assert "Racing:" in selection.reason
+    assert f"Racing scored {result.items_spent} of {result.items_full} eval items" in selection.reason
     for c in result.candidates:
         if c.stopped is not None:
             assert c.stopped.text in selection.reason and selection.selected != c.name
