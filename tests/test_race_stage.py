@@ -57,14 +57,15 @@ def test_ptq_scores_round_one_and_the_race_the_rest_as_a_full_evaluation_would(r
     # a finisher's items, round 1 scored in its PTQ process and the rest from its saved checkpoint,
     # are the items a full evaluation of that checkpoint gives, up to BF16 rounding: lm-eval batches
     # an item with other items in a slice than in the full set (measured: 3 of 16 cloze items differ,
-    # by at most 0.11 % of their log-likelihood)
+    # by at most 0.008 nats of log-likelihood, 2 of 8 continuation items by at most 0.0007 in
+    # probability)
     name = finished[0].name
     merged = read_json(layout.race(name) / "items.json")
     model = load_model(params.base_model, params.hardware, folder=layout.ptq(name) / "checkpoint")
     full = evaluate_model(model, load_tokenizer(params.base_model), params.eval, layout.data, layout.reference)
     assert {t: v["ids"] for t, v in merged.items()} == {t: v["ids"] for t, v in full["items"].items()}
     for task, items in full["items"].items():
-        np.testing.assert_allclose(merged[task]["values"], items["values"], rtol=5e-3, atol=1e-5, err_msg=task)
+        np.testing.assert_allclose(merged[task]["values"], items["values"], rtol=5e-3, atol=5e-3, err_msg=task)
     scores = read_json(layout.race(name) / "scores.json")
     assert scores["kl_divergence"] == pytest.approx(full["kl_divergence"], rel=1e-3)
 
