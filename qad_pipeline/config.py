@@ -12,9 +12,13 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from qad_pipeline.params_files import ConfigError as ConfigError
+from qad_pipeline.params_files import StageError as StageError
+from qad_pipeline.params_files import apply_overrides, read_yaml
+from qad_pipeline.params_files import parse_override as parse_override
+from qad_pipeline.params_files import yaml_error as yaml_error
 from qad_pipeline.redaction import flatten, secret_in
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
@@ -24,14 +28,6 @@ DEFAULT_PARAMS = Path("params.yaml")  # what the CLI and the flows read unless t
 # dvc.yaml sits), whatever the working directory; load_params records that folder here.
 _params_root: Path | None = None
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-
-class ConfigError(ValueError):
-    """Bad configuration or input, reported as one line before any heavy work starts."""
-
-
-class StageError(RuntimeError):
-    """A stage ran and found its result unusable (diverged training, a failed export check)."""
 
 
 class _Section(BaseModel):
@@ -190,6 +186,24 @@ class SelectionParams(_Section):
         return band
 
 
+class RaceParams(_Section):
+    """Racing the candidates' evaluation (`race` stage: tasks/race.py; decisions: qad_pipeline/racing.py):
+    round k ends when each task's first `fractions[k]` of its items are scored; between rounds a
+    candidate that cannot be selected at `confidence` stops. Off: every candidate scores every item."""
+
+    enabled: bool = False
+    fractions: list[float] = Field(min_length=1)
+    confidence: float = Field(gt=0.5, lt=1)
+    seed: int = 0
+
+    @field_validator("fractions")
+    @classmethod
+    def _rounds(cls, f: list[float]) -> list[float]:
+        if any(not 0 < x <= 1 for x in f) or f != sorted(set(f)) or f[-1] != 1:
+            raise ValueError(f"fractions must rise strictly within (0, 1] and end at 1.0 (every item), got {f}")
+        return f
+
+
 class SweepParams(_Section):
     """The BPE sweep: one AutoQuantize recipe run at each budget (tasks/sweep.py), the knee chosen
     where more bits stop buying recovery (tasks/bpe_sweep.py)."""
@@ -281,6 +295,7 @@ class Params(_Section):
     ptq: PTQParams
     eval: EvalParams
     selection: SelectionParams
+    race: RaceParams
     sweep: SweepParams
     qad: QADParams
     export: ExportParams
@@ -304,57 +319,6 @@ def looks_local(path: str, root: Path | None = None) -> bool:
     """A local path (existing, or written like one: `./x`, `/x`, `~/x`, `a/b/c`), not a hub id (`name`
     or `org/name`): the one rule for base models and calibration sources."""
     return resolve(path, root).exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
-
-
-def yaml_error(err: yaml.YAMLError, source: str, column_offset: int = 0) -> str:
-    """One line for a YAML syntax error: the source, line and column (1-based) and the problem."""
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    column = mark.column + 1 + (column_offset if mark.line == 0 else 0) if mark else 0
-    where = f"line {mark.line + 1}, column {column}" if mark else "an unknown position"
-    return f"{source}: invalid YAML at {where}: {problem}"
-
-
-def read_yaml(path: Path) -> Any:
-    """A YAML file's data; a syntax error is a `ConfigError` naming the file, line and column."""
-    try:
-        return yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(yaml_error(err, str(path))) from None
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`section.key=value` -> (["section", "key"], value), the value parsed as YAML."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} is not of the form section.key=value")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as err:  # the column counts from the start of the whole item
-        raise ConfigError(yaml_error(err, f"--set {item!r}", column_offset=len(key) + 1)) from None
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict, overrides: list[str] | dict[str, Any]) -> dict:
-    """Return a copy of `data` with each override applied; an unknown key is an error."""
-    pairs = (
-        [(k.split("."), v) for k, v in overrides.items()]
-        if isinstance(overrides, dict)
-        else [parse_override(o) for o in overrides]
-    )
-    out = yaml.safe_load(yaml.safe_dump(data))
-    for keys, value in pairs:
-        node = out
-        for depth, key in enumerate(keys):
-            if not isinstance(node, dict) or key not in node:
-                where = ".".join(keys[:depth]) or "params.yaml"
-                valid = sorted(node) if isinstance(node, dict) else []
-                raise ConfigError(f"unknown key {'.'.join(keys)!r}: {where} has {valid}")
-            if depth == len(keys) - 1:
-                node[key] = value
-            else:
-                node = node[key]
-    return out
 
 
 def _format_validation_error(err: ValidationError, source: str) -> str:

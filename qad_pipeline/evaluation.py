@@ -84,14 +84,18 @@ def primary_score(task: str, results: dict, higher: dict, metric_order: list[str
     }
 
 
-def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict[str, dict]:
+def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path,
+                   items: dict[str, list[int]] | None = None) -> dict[str, dict]:
+    """Every task of `params.tasks` scored through lm-eval (with `items`, racing: only the tasks it names
+    with ids, on those doc ids, through lm-eval's `samples`; the others in full)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     task_dir = resolve(params.task_dir)
     specs, metric_orders = {}, {}
-    for name in params.tasks:
+    names = [n for n in params.tasks if items is None or n not in items or items[n]]
+    for name in names:
         cfg = project_task_config(name, task_dir, eval_dir)
         specs[name] = cfg if cfg is not None else name
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
@@ -103,16 +107,22 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path) -> dict
     # lm-eval takes the model where it is (a spread model's inputs go to its first device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
     out: dict[str, dict] = {"results": {}, "higher_is_better": {}, "samples": {}, "configs": {}}
-    for (fewshot, chat, multiturn, gen, limit), names in _by_settings(params).items():
+    for (fewshot, chat, multiturn, gen, limit), group in _by_settings(params).items():
+        group = [n for n in group if n in names]
+        if not group:
+            continue
+        # lm-eval maps a logged sample back to its doc id only through sorted ids (evaluator.py)
+        samples = {n: sorted(items[n]) for n in group if items and n in items} or None
         run = simple_evaluate(
-            model=lm, tasks=[specs[n] for n in names], task_manager=registry, limit=limit, num_fewshot=fewshot,
+            model=lm, tasks=[specs[n] for n in group], task_manager=registry, samples=samples,
+            limit=None if samples else limit, num_fewshot=fewshot,
             apply_chat_template=chat, fewshot_as_multiturn=multiturn, gen_kwargs=dict(gen) if gen else None,
             log_samples=True, bootstrap_iters=0, verbosity="WARNING",
         )
         for key in out:
             out[key].update(run.get(key) or {})
     scores = {}
-    for name in params.tasks:
+    for name in names:
         chosen = params.settings(name)
         scores[name] = primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}),
                                      metric_orders[name], chosen.metric, chosen.filter)
@@ -171,13 +181,17 @@ def task_items(samples: list[dict], metric: str, score: float, filter_name: str 
 
 def evaluate_model(
     model, tokenizer, params: EvalParams, data_dir: Path, reference: Path | None = None,
-    write_reference: Path | None = None,
+    write_reference: Path | None = None, items: dict[str, list[int]] | None = None,
 ) -> dict:
     """Scores of one model: lm-eval tasks + perplexity (+ KL to the BF16 reference in `reference`).
 
     `write_reference` (the baseline only) is where this model's own top-k reference is written, in
     the same pass over the held-out windows (`qad_pipeline.reference`). `items` holds each task's
     per-item values (for the recovery's confidence interval); callers store it apart from the scores.
+
+    `items` (racing, `qad_pipeline.racing`): the ids to score per task (lm-eval doc ids; "perplexity":
+    window indices); a task it names with no ids is not scored, one it does not name is scored in
+    full. KL then covers the scored windows only.
     """
     from qad_pipeline.reference import Reference, ReferenceWriter, score_windows, windows_fingerprint
 
@@ -185,26 +199,32 @@ def evaluate_model(
     ref = Reference(reference) if reference is not None else None
     if ref is not None:
         ref.check_windows(windows)
+    rows = sorted(items["perplexity"]) if items is not None and "perplexity" in items else list(range(len(windows)))
     writer = None
     if write_reference is not None:
         writer = ReferenceWriter(write_reference, len(windows), windows.shape[1] - 1, model.config.vocab_size,
                                  params.kl_top_k, params.kl_tail_samples)
-    streamed = score_windows(model, windows, params.batch_size, reference=ref, writer=writer)
+    streamed = None
+    if len(rows) == len(windows):  # every window, as without racing
+        streamed = score_windows(model, windows, params.batch_size, reference=ref, writer=writer)
+    elif rows:
+        streamed = score_windows(model, windows[rows], params.batch_size, reference=ref, rows=rows)
     written = None
     if writer is not None:
         written = writer.close({"windows": len(windows), "positions": windows.shape[1] - 1,
                                 "windows_fingerprint": windows_fingerprint(windows),
                                 "vocab_size": model.config.vocab_size})
-    tasks = lm_eval_scores(model, tokenizer, params, Path(data_dir) / "eval")
+    tasks = lm_eval_scores(model, tokenizer, params, Path(data_dir) / "eval", items)
     positions = windows.shape[1] - 1
-    tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False,
-                           "items": {"aggregation": "perplexity", "ids": list(range(len(windows))),
-                                     "values": [-n / positions for n in streamed["window_nll"]]}}
+    if streamed is not None:
+        tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False,
+                               "items": {"aggregation": "perplexity", "ids": rows,
+                                         "values": [-n / positions for n in streamed["window_nll"]]}}
     items = {task: score.pop("items") for task, score in tasks.items() if score.get("items")}
     for score in tasks.values():
         score.pop("items", None)
     result = {"tasks": tasks, "items": items}
-    if ref is not None:
+    if ref is not None and streamed is not None:
         result["kl_divergence"] = streamed["kl_divergence"]
         result["kl_estimator"] = (f"exact over the top {ref.manifest['k']} tokens + "
                                   f"{ref.manifest['tail_samples']} tail samples per position")

@@ -54,6 +54,14 @@ class Layout:
         """A selection candidate's PTQ folder: a recipe's, or a sweep point's (`<recipe>@<budget>`)."""
         return self.sweep(name.rpartition("@")[2]) if "@" in name else self.ptq(name)
 
+    def race(self, name: str) -> Path:
+        """A raced candidate's merged scores and items, and each round's items (`round<k>.json`)."""
+        return self.root / "artifacts" / "race" / name
+
+    @property
+    def race_metrics(self) -> Path:
+        return self.metrics / "race.json"
+
     @property
     def bpe_sweep(self) -> Path:
         """The sweep's plot folder (`bpe_plot`)."""

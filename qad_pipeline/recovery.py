@@ -54,7 +54,8 @@ BOOTSTRAP_SEED = 0
 LEVEL = 0.95
 
 
-def _aggregate(values, aggregation: str):
+def aggregate(values, aggregation: str):
+    """Items' values (last axis) into the task's score: their mean, or exp(-mean) for perplexity."""
     import numpy as np
 
     mean = values.mean(axis=-1)
@@ -69,7 +70,7 @@ def item_aggregation(values: list[float], score: float) -> str | None:
         return None
     v = np.asarray(values, dtype=np.float64)
     for name in ("mean", "perplexity"):
-        if np.isclose(_aggregate(v, name), score, rtol=1e-6, atol=1e-9):
+        if np.isclose(aggregate(v, name), score, rtol=1e-6, atol=1e-9):
             return name
     return None
 
@@ -114,7 +115,7 @@ def _draws(quantized_items, baseline_items, baseline, per_task, iters, seed, lev
             continue
         qv, bv = np.asarray(q["values"], np.float64), np.asarray(b["values"], np.float64)
         idx = rng.integers(0, len(qv), size=(iters, len(qv)))
-        qs, bs = _aggregate(qv[idx], q["aggregation"]), _aggregate(bv[idx], b["aggregation"])
+        qs, bs = aggregate(qv[idx], q["aggregation"]), aggregate(bv[idx], b["aggregation"])
         higher = baseline[task]["higher_is_better"]
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = qs / bs if higher else bs / qs

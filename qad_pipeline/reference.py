@@ -168,11 +168,13 @@ class Reference:
             raise ConfigError(f"the BF16 reference at {self.folder} was computed on other eval windows; "
                               "run the baseline stage again")
 
-    def kl_sum(self, i: int, s: int, e: int, logprobs: torch.Tensor) -> float:
-        """Sum over the positions of logprobs ([b, e - s, vocab], windows i.., positions s..e)."""
+    def kl_sum(self, i: int, s: int, e: int, logprobs: torch.Tensor, rows: list[int] | None = None) -> float:
+        """Sum over the positions of logprobs ([b, e - s, vocab], windows i.., positions s..e); with
+        `rows`, window j of the batch is the reference's window rows[i + j]."""
         b = logprobs.shape[0]
+        picked = slice(i, i + b) if rows is None else np.asarray(rows[i : i + b])
         top_ids, top_lp, tail_ids, tail_lp, rest = (
-            torch.from_numpy(np.array(a[i : i + b, s:e])).to(logprobs.device) for a in self.arrays)
+            torch.from_numpy(np.array(a[picked, s:e])).to(logprobs.device) for a in self.arrays)
         return kl_estimate(top_ids.long(), top_lp, tail_ids.long(), tail_lp, rest, logprobs).sum().item()
 
 
@@ -183,9 +185,10 @@ def windows_fingerprint(windows: torch.Tensor) -> str:
 @torch.no_grad()
 def score_windows(
     model, windows: torch.Tensor, batch_size: int, reference: Reference | None = None,
-    writer: ReferenceWriter | None = None,
+    writer: ReferenceWriter | None = None, rows: list[int] | None = None,
 ) -> dict:
-    """Perplexity over the windows, and KL_k to `reference` (or the reference written to `writer`).
+    """Perplexity over the windows, and KL_k to `reference` (or the reference written to `writer`);
+    `rows`: the reference's index of each window (racing scores a subset of them).
 
     Also each window's negative log-likelihood summed over its positions (`window_nll`), the
     items that the recovery's confidence interval resamples.
@@ -201,7 +204,7 @@ def score_windows(
         if writer is not None:
             writer.write(i, s, e, lp)
         if reference is not None:
-            kl += reference.kl_sum(i, s, e, lp)
+            kl += reference.kl_sum(i, s, e, lp, rows)
     out = {"perplexity": math.exp(nll / count), "window_nll": window_nll.tolist()}
     if reference is not None:
         out["kl_divergence"] = kl / count

@@ -1,8 +1,8 @@
 """The pipeline's stages, each declared once: `qad-pipeline dvc-yaml` writes dvc.yaml from here.
 
-    calibration ── baseline ── ptq × recipes ───────────────────────── selection ── qad ── final_eval ── export
-               ├── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep, when asked for)  │
-               └── teacher_cache ─────────────────────────────────────────────────┘ (qad.teacher: cached)
+    calibration ── baseline ── ptq × recipes ──────────────────────── (race) ── selection ── qad ── final_eval ── export
+               ├── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep and the race, when asked for)
+               └── teacher_cache ───────────────────────────────────────────────┘ (qad.teacher: cached)
 
 A `Stage` names its entry point (`module:function`, called as `entry(params, layout, recipe)`),
 the stages it waits for (`after`: the flows' edges), the params.yaml keys it reads, its input
@@ -49,11 +49,14 @@ class Output:
 
     `kind` is how DVC declares it; `cleared` outputs are removed before the stage runs, so a
     failed run leaves no stale result (the export folder is not: the export checks what it holds).
+    A `persist` output is neither cleared nor removed by DVC before the stage runs (`persist: true`):
+    the stage keys what it keeps there and reuses it (the race's scored items).
     """
 
     path: str
     kind: Literal["outs", "metrics", "plots"] = "outs"
     cleared: bool = True
+    persist: bool = False
     plot: dict | None = None
     note: str = ""
 
@@ -73,6 +76,7 @@ class Stage:
     qad_only: bool = False  # runs only with selection.policy qad
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
     cached_teacher: bool = False  # runs only with qad.teacher cached (and selection.policy qad)
+    racing: bool = False  # runs only with race.enabled (racing the recipes)
     may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
@@ -108,7 +112,8 @@ class Stage:
     def output_paths(self, root: Path, recipe: str | None = None, cleared_only: bool = False) -> list[Path]:
         if self.per_recipe and recipe is None:
             return []
-        return [root / fill(o.path, recipe) for o in self.outputs if o.cleared or not cleared_only]
+        return [root / fill(o.path, recipe) for o in self.outputs
+                if (o.cleared and not o.persist) or not cleared_only]
 
     def clear_outputs(self, root: Path, recipe: str | None = None) -> None:
         for path in self.output_paths(root, recipe, cleared_only=True):
@@ -176,7 +181,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           mlflow="qad_pipeline.tracking.children:baseline_run", memory="qad_pipeline.memory_model:baseline_phases",
           knobs=("eval.batch_size",)),
     Stage("ptq", "tasks.ptq:main", after=("calibration", "baseline"),
-          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "ptq.layerwise", "eval"),
+          params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "ptq.layerwise", "eval", "race"),
           inputs=(MODEL, "${ptq.recipe_dir}/{recipe}.yaml", EVAL_DATA, "artifacts/calibration", "artifacts/baseline"),
           outputs=(Output("artifacts/ptq/{recipe}"),),
           foreach="ptq.recipes", gpu=True, cached=True, may_fail=True,
@@ -217,10 +222,22 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                        "title": "BPE sweep: median recovery against whole-model bits per element"}),
                    Output("artifacts/bpe_sweep", note="the Pareto plot")),
           sweep=True, may_fail=True, memory="qad_pipeline.memory_model:SELECTION_PROCESS"),
-    Stage("selection", "tasks.selection:main", after=("baseline", "ptq", "bpe_sweep"),
-          params=("ptq.recipes", "selection", "sweep"),
+    Stage("race", "tasks.race:main", after=("baseline", "ptq", "bpe_sweep"),
+          params=("base_model", "eval", "race", "ptq.recipes", "selection", "sweep"),
+          inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "metrics/baseline.json",
+                  "artifacts/ptq", "metrics/bpe_sweep.json", "artifacts/sweep"),
+          outputs=(Output("metrics/race.json", "metrics"),
+                   Output("artifacts/race", persist=True,
+                          note="each candidate's items per round (reused by a resumed race) and merged scores")),
+          gpu=True, racing=True,
+          result="metrics/race.json", schema="qad_pipeline.results.race:RaceResult",
+          mlflow="qad_pipeline.tracking.children:race_run",
+          memory="qad_pipeline.memory_model:final_eval_phases", knobs=("eval.batch_size",)),
+    Stage("selection", "tasks.selection:main", after=("baseline", "ptq", "bpe_sweep", "race"),
+          params=("ptq.recipes", "selection", "sweep", "race"),
           inputs=(f"{MODEL}/config.json", "${ptq.recipe_dir}", "metrics/baseline.json",
-                  "artifacts/baseline/items.json", "artifacts/ptq", "metrics/bpe_sweep.json", "artifacts/sweep"),
+                  "artifacts/baseline/items.json", "artifacts/ptq", "metrics/bpe_sweep.json", "artifacts/sweep",
+                  "metrics/race.json", "artifacts/race"),
           outputs=(Output("metrics/selection.json", "metrics"), Output("metrics/ptq", "metrics"),
                    Output("metrics/recovery.json", "plots", plot={
                        "template": "scatter", "x": "effective_bpe", "y": "median_recovery",
@@ -268,8 +285,8 @@ def with_sweep(params: Params) -> bool:
 
 
 def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str | None]]:
-    """The stage processes a run starts, in order, one per item for a per-item stage; QAD and
-    final_eval only with `selection.policy: qad`, the export unless `export.source` is none (those
+    """The stage processes a run starts, in order, one per item for a per-item stage; the race only
+    with `race.enabled`; QAD and final_eval only with `selection.policy: qad`, the export unless `export.source` is none (those
     after selection run only if a recipe is selected); the sweep's with `selection.sweep` set.
     `sweep_only`: the BPE sweep's flow (up to the knee)."""
     runs: list[tuple[Stage, str | None]] = []
@@ -283,6 +300,8 @@ def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str |
         if declared.sweep and not (sweep_only or with_sweep(params)):
             continue
         if declared.cached_teacher and (sweep_only or params.qad.teacher != "cached"):
+            continue
+        if declared.racing and not params.race.enabled:
             continue
         runs += [(declared, r) for r in declared.items(params)] if declared.per_recipe else [(declared, None)]
     return runs

@@ -105,9 +105,10 @@ def _hub_id(path: str, params: Params) -> bool:
 
 def dvc_stages(params: Params) -> list[Stage]:
     """The stages dvc.yaml holds for these params: every stage, the BPE sweep's only when the params
-    ask for it (`stages.with_sweep`), the teacher cache only with `qad.teacher: cached`, as in a
-    `qad-pipeline run` with them."""
-    return [stage for stage in STAGES.values() if (with_sweep(params) or not stage.sweep)
+    ask for it (`stages.with_sweep`), the race only with `race.enabled`, the teacher cache only with
+    `qad.teacher: cached`, as in a `qad-pipeline run` with them."""
+    return [stage for stage in STAGES.values()
+            if (with_sweep(params) or not stage.sweep) and (params.race.enabled or not stage.racing)
             and (params.qad.teacher == "cached" or not stage.cached_teacher)]
 
 
@@ -142,7 +143,8 @@ def dvc_yaml(params: Params | None = None) -> str:
             for output in outputs:
                 path = fill(output.path, recipe)
                 note = f"  # {output.note}" if output.note else ""
-                lines.append(f"{pad}  - {path}" + (":" if output.plot else "") + note)
-                lines += [f"{pad}      {key}: {_yaml_value(value)}" for key, value in (output.plot or {}).items()]
+                options = {**(output.plot or {}), **({"persist": True} if output.persist else {})}
+                lines.append(f"{pad}  - {path}" + (":" if options else "") + note)
+                lines += [f"{pad}      {key}: {_yaml_value(value)}" for key, value in options.items()]
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -17,6 +17,9 @@ Model Optimizer calibrates one decoder layer at a time and checkpoints each fini
 once the outputs are written); run again, it resumes after the last finished layer, and scores.json
 records `layerwise: {layers, resumed_from_layer, checkpoints}` (`qad_pipeline/layerwise.py`).
 
+With `race.enabled` (racing the recipes), it scores only round 1's items (scores, items and KL
+cover them); the `race` stage (tasks/race.py) scores the later rounds of those still in contention.
+
 A recipe that resolves to the same quantizers as an earlier one in `ptq.recipes` on this model
 (`qad_pipeline.recipes.recipe_aliases`, checked on the meta device before any weight loads) is not run again: its
 scores.json says `"status": "alias"` and names the recipe it repeats.
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 from qad_pipeline import layerwise
-from qad_pipeline.artifacts import staged_dir, write_json
+from qad_pipeline.artifacts import read_json, staged_dir, write_json
 from qad_pipeline.calibration_data import load_calibration
 from qad_pipeline.config import Params
 from qad_pipeline.evaluation import evaluate_model
@@ -195,7 +198,7 @@ def auto_quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_s
 
 def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, out_dir: Path,
             budget: float | None = None, search_state: Path | None = None, name: str | None = None,
-            layerwise_root: Path | None = None) -> dict:
+            layerwise_root: Path | None = None, eval_items: dict[str, list[int]] | None = None) -> dict:
     """Stage core: quantize the base model with `recipe`, evaluate it, save it and its scores.
 
     For an AutoQuantize recipe, `budget` replaces the recipe's own and `search_state` is a search
@@ -203,6 +206,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     recipe's name by default, `<recipe>@<budget>` for a sweep point). `layerwise_root` is where a
     layerwise calibration (`ptq.layerwise`) keeps its per-layer checkpoints (under a key of the
     recipe and calibration), removed once the outputs are written; None: it keeps none.
+    `eval_items` (racing): the item ids of each task to score (round 1's; `evaluate_model`).
     """
     from qad_pipeline import autoquant
     from qad_pipeline.reference import Reference
@@ -245,7 +249,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     weight_error = weight_errors(model)
 
     t0 = time.time()
-    scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir)
+    scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir, items=eval_items)
     items = scores.pop("items")
     eval_s = time.time() - t0
     result = PTQScores(
@@ -277,6 +281,16 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     return dump_result(result)
 
 
+def first_round(params: Params, layout: Layout) -> dict[str, list[int]] | None:
+    """With `race.enabled`, the items a recipe scores here: round 1's (`qad_pipeline.racing`); the
+    race stage scores the later rounds of the recipes still in contention."""
+    if not params.race.enabled:
+        return None
+    from qad_pipeline.racing import round_ids
+
+    return round_ids(read_json(layout.items("baseline")), params.race.fractions, params.race.seed)[0]
+
+
 def _peak_device_mb() -> float | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
@@ -292,7 +306,7 @@ def _peak_rss_mb() -> float:
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     """One PTQ recipe: `qad-pipeline stage ptq <recipe>`."""
     result = run_ptq(params, recipe, layout.data, layout.reference, layout.ptq(recipe),
-                     layerwise_root=layout.ptq_layerwise(recipe))
+                     layerwise_root=layout.ptq_layerwise(recipe), eval_items=first_round(params, layout))
     if result.get("status") == "alias":
         return f"ptq {recipe}: the same model as {result['alias_of']} on this base model; not run again"
     searched, by_layer = result.get("auto_quantize"), result.get("layerwise")

@@ -18,19 +18,25 @@ on this model (`"alias"` rows) are shown with the recipe they repeat and are nev
 With `selection.sweep` set, the BPE sweep's knee (or all its points), named `<recipe>@<budget>`,
 compete with the recipes under the same policy.
 When nothing qualifies `selected` is null and the reason says why; later stages stop there.
+With `race.enabled` (racing the recipes, tasks/race.py), each raced candidate is read from
+`artifacts/race/<candidate>/` (its scores merged over the rounds it ran), the candidates the race
+stopped are shown but never chosen, and the reason and `racing` say where each stopped, why, and
+what racing spent against a full evaluation.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError, Params, SelectionParams
 from qad_pipeline.layout import Layout
 from qad_pipeline.recipes import recipe_aliases
+from qad_pipeline.racing import on_items, restrict
 from qad_pipeline.recovery import score_recovery
 from qad_pipeline.results.base import dump_result, read_result, write_result
+from qad_pipeline.results.race import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult
 from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
                                             RecoveryPoint, RecoveryTable, SelectionResult)
@@ -52,6 +58,7 @@ class Selection:
     table: list[dict]
     runner_up: str | None = None
     could_compress_further: bool = False
+    racing: dict | None = None  # `Racing`, with race.enabled
 
 
 def compression(row: RecipeRow) -> tuple[float, float]:
@@ -101,12 +108,14 @@ def _why_lost(best: RecipeRow, other: RecipeRow, floor: float) -> str:
     return f"{more}; it recovers more, but at or above the floor compression decides"
 
 
-def select_recipe(rows: list[RecipeRow], params: SelectionParams) -> Selection:
-    """Choose a recipe from the PTQ results by the configured policy, and say why."""
+def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[str, str] | None = None) -> Selection:
+    """Choose a recipe from the PTQ results by the configured policy, and say why. `stopped` (racing):
+    the candidates the race stopped early, with where and why; shown in the table, never chosen."""
     low, high = params.band
     floor = params.ptq_final_min if params.policy == "ptq_final" else low
     target = "the PTQ-final target" if params.policy == "ptq_final" else "the QAD band's floor"
-    ok = [r for r in rows if r.status == "ok"]
+    stopped = stopped or {}
+    ok = [r for r in rows if r.status == "ok" and r.name not in stopped]
     failed = [r.name for r in rows if r.status == "failed"]
     aliases = [r for r in rows if r.status == "alias"]
     notes = ""
@@ -115,10 +124,13 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams) -> Selection:
             f"{a.name} = {a.alias_of}" for a in aliases) + "."
     if failed:
         notes += f" Failed recipes left out: {', '.join(failed)}."
+    if stopped:
+        notes += " Racing: " + "; ".join(stopped.values()) + "; the others were scored on every item."
     table = [asdict(r) for r in sorted(rows, key=lambda r: ({"ok": 0, "alias": 1}.get(r.status, 2), r.name))]
 
     if not ok:
-        return Selection(None, params.policy, params.band, "No recipe qualifies: every recipe failed." + notes, table)
+        why = "every recipe failed or stopped racing" if stopped else "every recipe failed"
+        return Selection(None, params.policy, params.band, f"No recipe qualifies: {why}." + notes, table)
     eligible = [r for r in ok if r.median_recovery >= floor]
     if not eligible:
         best = max(ok, key=lambda r: r.median_recovery)
@@ -157,8 +169,12 @@ def recipe_metrics(name: str, folder: Path, baseline: BaselineMetrics, baseline_
     if scores.status == "alias":
         return RecipeAlias(recipe=name, status="alias", alias_of=scores.alias_of)
     items = read_json(folder / "items.json") if (folder / "items.json").is_file() else None
-    return RecipeMetrics.model_validate(score_recovery(dump_result(scores), items, dump_result(baseline),
-                                                       baseline_items))
+    base = dump_result(baseline)
+    if items and baseline_items and any(items[t]["ids"] != baseline_items[t]["ids"] for t in items if t in baseline_items):
+        # scored on part of the items (a candidate the race stopped): against BF16 on the same items
+        baseline_items = {**baseline_items, **restrict(baseline_items, {t: v["ids"] for t, v in items.items()})}
+        base = on_items(base, baseline_items)
+    return RecipeMetrics.model_validate(score_recovery(dump_result(scores), items, base, baseline_items))
 
 
 def row(metrics: RecipeResult, earlier: dict[str, RecipeRow]) -> RecipeRow:
@@ -199,23 +215,34 @@ def run_selection(params: Params, layout: Layout) -> Selection:
     items = layout.items("baseline")
     baseline_items = read_json(items) if items.is_file() else None
     aliases = recipe_aliases(params)  # re-checked: a recipe file may have changed since its PTQ run
+    race = read_result(layout.race_metrics, RaceResult) if params.race.enabled else None
+    raced = {c.name for c in race.candidates} if race else set()
     rows: dict[str, RecipeRow] = {}
     for name in [*params.ptq.recipes, *sweep_candidates(params, layout)]:
-        metrics = recipe_metrics(name, layout.candidate(name), baseline, baseline_items)
+        folder = layout.race(name) if name in raced else layout.candidate(name)  # raced: merged over its rounds
+        metrics = recipe_metrics(name, folder, baseline, baseline_items)
         if metrics.status == "alias" and aliases.get(name) != metrics.alias_of:
             metrics = RecipeFailed(recipe=name, status="failed",
                                    error=f"recorded as the same as {metrics.alias_of}, which it no longer is; "
                                          f"re-run its PTQ (dvc repro -f ptq@{name})")
         write_result(layout.ptq_metrics(name), metrics)
         rows[name] = row(metrics, rows)
-    selection = select_recipe(list(rows.values()), params.selection)
+    stopped = {c.name: c.stopped.text for c in race.candidates if c.stopped} if race else {}
+    selection = select_recipe(list(rows.values()), params.selection, stopped)
+    if race is not None:
+        spent = (f" Racing scored {race.items_spent} of {race.items_full} eval items "
+                 f"({100 * race.saved:.0f} % saved; rounds at {race.fractions} of each task's items).")
+        selection = replace(selection, reason=selection.reason + spent, racing=dict(
+            items_spent=race.items_spent, items_full=race.items_full, saved=race.saved, fractions=race.fractions,
+            confidence=race.confidence, stopped=stopped))
     write_result(layout.recovery_table, RecoveryTable([
         RecoveryPoint(recipe=r.name, effective_bpe=r.effective_bpe, median_recovery=r.median_recovery,
                       ci_low=r.median_recovery_ci[0] if r.median_recovery_ci else None,
                       ci_high=r.median_recovery_ci[1] if r.median_recovery_ci else None)
         for r in rows.values() if r.status == "ok"
     ]))
-    write_result(layout.selection_metrics, SelectionResult.model_validate(asdict(selection)))
+    verdict = {k: v for k, v in asdict(selection).items() if k != "racing" or v is not None}  # unset: left out
+    write_result(layout.selection_metrics, SelectionResult.model_validate(verdict))
     return selection
 
 

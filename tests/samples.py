@@ -14,6 +14,7 @@ from qad_pipeline.layout import Layout
 from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.export import ExportMetrics, ServingNotes
 from qad_pipeline.results.qad import LossCurve, QADMetrics, QADTraining
+from qad_pipeline.results.race import RaceCandidate, RaceResult, RaceStop
 from qad_pipeline.results.run import RunSummary
 from qad_pipeline.results.scores import BaselineMetrics, PTQAlias, PTQResult, PTQScores, TaskScore
 from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
@@ -78,6 +79,18 @@ def selection(selected: str | None, table: list[RecipeRow], **fields: Any) -> Se
     return SelectionResult(**{"selected": selected, "policy": "qad", "band": (0.95, 0.99),
                               "reason": f"{selected}: the most compressed recipe at or above the band's floor.",
                               "table": table, "runner_up": None, "could_compress_further": False, **fields})
+
+
+def race_result(stopped: dict[str, RaceStop] | None = None, recipes: tuple[str, ...] = ("a", "b"),
+                **fields: Any) -> RaceResult:
+    stopped = stopped or {}
+    candidates = [RaceCandidate(name=r, items=stopped[r].items if r in stopped else 548, reused=0,
+                                stopped=stopped.get(r)) for r in recipes]
+    spent = sum(c.items for c in candidates)
+    return RaceResult(**{"fractions": [0.25, 0.5, 1.0], "confidence": 0.95, "tail": 0.0125, "floor": 0.95,
+                         "rounds": [{"perplexity": 12}, {"perplexity": 24}, {"perplexity": 48}],
+                         "candidates": candidates, "items_spent": spent, "items_full": 548 * len(recipes),
+                         "saved": 1 - spent / (548 * len(recipes)), **fields})
 
 
 def qad_training(steps: int = 5, **fields: Any) -> QADTraining:
@@ -167,6 +180,8 @@ def result_files(layout: Layout, recipes: list[str]) -> list[tuple[Path, Any]]:
         (layout.data / "manifest.json", CalibrationManifest),
         (layout.baseline_metrics, BaselineMetrics),
         *((layout.ptq(r) / "scores.json", PTQResult) for r in recipes),
+        (layout.race_metrics, RaceResult),
+        *((layout.race(r) / "scores.json", PTQResult) for r in recipes),
         *((layout.ptq_metrics(r), RecipeResult) for r in recipes),
         (layout.selection_metrics, SelectionResult),
         (layout.recovery_table, RecoveryTable),

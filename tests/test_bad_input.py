@@ -150,6 +150,12 @@ def test_yaml_error_in_a_set_value_names_the_item_and_column(tmp_path):
         ("qad.offload=true", "qad.offload = True: Value error, offload: true needs sharding: fsdp and more than one "
                              "process (num_gpus x num_nodes is 1, sharding is fsdp)"),
         ("qad.rdzv_endpoint=head-node", "qad.rdzv_endpoint = 'head-node': String should match pattern"),
+        ("race.fractions=[0.5, 0.25, 1.0]",
+         "race.fractions = [0.5, 0.25, 1.0]: Value error, fractions must rise strictly within (0, 1] and end at 1.0"),
+        ("race.fractions=[0.25, 0.5]", "fractions must rise strictly within (0, 1] and end at 1.0 (every item), "
+                                       "got [0.25, 0.5]"),
+        ("race.confidence=1", "race.confidence = 1: Input should be less than 1"),
+        ("race.enabled=maybe", "race.enabled = 'maybe': Input should be a valid boolean"),
     ],
 )
 def test_ranges_across_keys(item, message, tmp_path):

@@ -21,14 +21,20 @@ def test_dvc_yaml_is_generated_from_the_registry():
 def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     stages = yaml.safe_load(dvc_yaml())["stages"]
     assert list(STAGES) == [s.value for s in Stage]
-    # the project's params.yaml does not sweep and has a live teacher: no sweep stage, no teacher
-    # cache, and nothing waits for their files
-    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep and not s.cached_teacher]
+    # the project's params.yaml does not sweep, race or cache the teacher: none of those stages, and
+    # nothing waits for their files
+    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep and not s.racing and not s.cached_teacher]
     deps = {dep for stage in stages.values() for dep in stage.get("do", stage)["deps"]}
     assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json", "artifacts/teacher_cache"}
     swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee", "qad.teacher": "cached"})))
-    assert list(swept["stages"]) == list(STAGES) and "metrics/bpe_sweep.json" in swept["stages"]["selection"]["deps"]
-    assert "artifacts/teacher_cache" in swept["stages"]["qad"]["deps"]
+    swept = swept["stages"]
+    assert list(swept) == [n for n, s in STAGES.items() if not s.racing]
+    assert "metrics/bpe_sweep.json" in swept["selection"]["deps"] and "artifacts/teacher_cache" in swept["qad"]["deps"]
+    assert not deps & {"artifacts/race", "metrics/race.json"} and "race" in stages["ptq"]["do"]["params"]
+    raced = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"race.enabled": True})))["stages"]
+    assert list(raced) == [n for n, s in STAGES.items() if not s.sweep and not s.cached_teacher]
+    assert {"metrics/race.json", "artifacts/race"} <= set(raced["selection"]["deps"])
+    assert raced["race"]["outs"] == [{"artifacts/race": {"persist": True}}]  # DVC keeps the scored items
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
@@ -199,7 +205,7 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
 
     written = dict(result_files(Layout(tmp_path), []))
     declared = {name: s for name, s in STAGES.items() if s.result}
-    assert set(declared) == {"calibration", "baseline", "selection", "qad", "final_eval", "export"}
+    assert set(declared) == {"calibration", "baseline", "race", "selection", "qad", "final_eval", "export"}
     for s in declared.values():
         assert written[tmp_path / s.result] is load_reference(s.schema), s.name
         assert s.mlflow and callable(load_reference(s.mlflow))

@@ -52,6 +52,15 @@ class RecipeRow:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+class Racing(Strict):  # with race.enabled: what racing the candidates spent (metrics/race.json has the rest)
+    items_spent: int  # eval items scored by all candidates together
+    items_full: int  # what a full evaluation of each would have scored
+    saved: float  # 1 - items_spent / items_full
+    fractions: list[float]
+    confidence: float
+    stopped: dict[str, str]  # candidate -> where it stopped and why (not candidates of this selection)
+
+
 class SelectionResult(Strict):  # metrics/selection.json (tasks/selection.py): the verdict and its table
     selected: str | None
     policy: str
@@ -60,6 +69,7 @@ class SelectionResult(Strict):  # metrics/selection.json (tasks/selection.py): t
     table: list[RecipeRow]
     runner_up: str | None
     could_compress_further: bool
+    racing: Racing | None = None  # only with race.enabled
 
 
 class RecoveryPoint(Strict):

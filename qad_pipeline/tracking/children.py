@@ -1,7 +1,7 @@
 """What each stage's child run holds, read from the files the stage wrote (nothing logged here).
 
 One `ChildRun` per stage and recipe whose files exist: `calibration`, `baseline`, `ptq-<recipe>`,
-`selection`, `qad`, `final_eval`, `export`, and for a run that swept first `sweep-<budget>` and
+`race` (racing the recipes), `selection`, `qad`, `final_eval`, `export`, and for a run that swept first `sweep-<budget>` and
 `bpe_sweep`; each spans its stage process (`stage_span`), holds its result file and its log as
 artifacts, and ends FAILED with the tag `error` when it failed.
 """
@@ -20,6 +20,7 @@ from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.qad import QADMetrics, QADTraining
+from qad_pipeline.results.race import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
 from qad_pipeline.results.sweep import BPESweep
@@ -148,6 +149,14 @@ def selection_run(child: ChildRun, s: SelectionResult, params: Params) -> None:
     child.tags = {"selected": s.selected or "none", "runner_up": s.runner_up, "policy": s.policy,
                   "band": list(s.band), "reason": short_reason(s.reason)}
     child.texts = {REASON_FILE: s.reason, **child.texts}
+
+
+def race_run(child: ChildRun, r: RaceResult, params: Params) -> None:
+    """Racing the recipes: what it spent against a full evaluation, and who stopped where and why."""
+    child.metrics = {**pick(r, "items_spent", "items_full", "saved", "confidence"),
+                     "candidates.stopped": float(sum(c.stopped is not None for c in r.candidates))}
+    child.tags = {"fractions": r.fractions, **{f"stopped.{c.name}": f"round {c.stopped.round}: {c.stopped.why}"
+                                               for c in r.candidates if c.stopped}}
 
 
 def qad_run(child: ChildRun, q: QADTraining, params: Params) -> None:
@@ -329,6 +338,8 @@ def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     rows = {r.name: r for r in selection.table} if selection is not None else {}
     children: list[ChildRun | None] = []
     for declared in STAGES.values():  # a stage with a reader (`Stage.mlflow`), the recipes, the sweep's
+        if declared.racing and not params.race.enabled:  # an earlier run's race.json is not this run's
+            continue
         if declared.mlflow:
             children.append(stage_child(layout, params, declared.name))
         elif declared.name == "ptq":
