@@ -5,6 +5,7 @@
     qad-pipeline stage ptq nvfp4_max-mamba_fp8-kv_fp8  # one stage, as `dvc repro` runs it
     qad-pipeline sweep --set 'sweep.budgets=[4.75, 5.0, 6.5]'  # the BPE sweep: AutoQuantize per budget, the knee
     qad-pipeline plan --set qad.seq_len=32768          # each stage's peak memory, before any weights load
+    qad-pipeline push --out-root runs/x                # a finished run's outputs to the DVC remote (a retry)
 """
 
 from __future__ import annotations
@@ -20,14 +21,8 @@ from typing import Annotated
 import typer
 
 from qad_pipeline import processes
-from qad_pipeline.config import (
-    DEFAULT_PARAMS,
-    ConfigError,
-    Params,
-    StageError,
-    check_recipes,
-    load_params,
-)
+from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt
+from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, Params, StageError, check_recipes, load_params
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import preflight
 from qad_pipeline.runlock import TOKEN_ENV, run_lock
@@ -43,21 +38,6 @@ def _options(
 ) -> None:
     global _debug
     _debug = debug
-
-ParamsOpt = Annotated[
-    Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
-]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),
-]
-BaseOpt = Annotated[
-    str | None, typer.Option("--base-model", help="base model: local folder or hub id (base_model.path)")
-]
-RootOpt = Annotated[
-    Path | None,
-    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
-]
 
 
 Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # the declared stages, in order
@@ -272,6 +252,23 @@ def compare(
     except (ConfigError, LookupError) as err:
         _fail(err)
     typer.echo(tracking.compare_text(rows))
+
+
+@app.command()
+def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_root: RootOpt = None) -> None:
+    """Commit a finished run's outputs to DVC and push them to the remote (`versioning.remote`, else
+    $QAD_DVC_REMOTE), as a run does when it ends: the retry of a failed push."""
+    from qad_pipeline import dvc_remote
+
+    root = output_root(out_root, params_file)
+    try:
+        remote = dvc_remote.push_remote(resolve_params(params_file, overrides, None), root)
+    except ConfigError as err:
+        _fail(err)
+    done, line = dvc_remote.after_run(root, Path(params_file), list(overrides or []), dvc_remote.ran_on_disk(root),
+                                      remote)
+    typer.echo(line)
+    raise typer.Exit(0 if done else 1)
 
 
 @app.command("prefect-setup")

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from qad_pipeline.redaction import flatten, secret_in
+from qad_pipeline.remote_config import VersioningParams
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
 PROJECT_PARAMS = PROJECT_ROOT / "params.yaml"  # this checkout's own params.yaml (the bundled defaults)
@@ -265,6 +266,7 @@ class Params(_Section):
     sweep: SweepParams
     qad: QADParams
     export: ExportParams
+    versioning: VersioningParams = VersioningParams()  # the DVC remote runs push to (remote_config.py)
 
     def recipe_path(self, name: str, root: Path | None = None) -> Path:
         return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"
