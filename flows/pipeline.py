@@ -96,6 +96,8 @@ def qad_pipeline(
     # after the holds are released (DVC takes its own lock): commit the outputs to DVC, push them
     done, summary.dvc = dvc_remote.after_run(layout.root, Path(job.params_file), overrides, ran,
                                              dvc_remote.remote_for(params))
+    if done and summary.mlflow.get("run_id") and dvc_remote.run_project(layout.root):  # `dvc pull` anywhere
+        summary.dvc += "; " + dvc_remote.log_pointers(layout.root, summary.mlflow["uri"], summary.mlflow["run_id"])
     (get_run_logger().info if done else get_run_logger().warning)(summary.dvc)
     return dump_result(summary)
 

@@ -258,7 +258,7 @@ def compare(
 def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_root: RootOpt = None) -> None:
     """Commit a finished run's outputs to DVC and push them to the remote (`versioning.remote`, else
     $QAD_DVC_REMOTE), as a run does when it ends: the retry of a failed push."""
-    from qad_pipeline import dvc_remote
+    from qad_pipeline import dvc_remote, tracking
 
     root = output_root(out_root, params_file)
     try:
@@ -267,6 +267,9 @@ def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_
         _fail(err)
     done, line = dvc_remote.after_run(root, Path(params_file), list(overrides or []), dvc_remote.ran_on_disk(root),
                                       remote)
+    record = done and dvc_remote.run_project(root) and tracking.recorded_run(Layout(root), tracking.tracking_uri(root))
+    if record:  # the run's MLflow run gets the pointers, as after the run
+        line += "; " + dvc_remote.log_pointers(root, tracking.tracking_uri(root), record.run_id)
     typer.echo(line)
     raise typer.Exit(0 if done else 1)
 

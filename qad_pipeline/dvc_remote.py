@@ -35,6 +35,7 @@ from qad_pipeline.remote_config import RemoteParams, configured_remote
 from qad_pipeline.stages import STAGES, fill
 
 REMOTE = "qad"  # the remote's name in every project this module configures
+POINTERS_ARTIFACT = "dvc"  # where a run's DVC pointers go in its MLflow run (`log_pointers`)
 
 
 def remote_for(params: Params) -> RemoteParams | None:
@@ -147,3 +148,37 @@ def after_run(root: Path, params_file: Path, overrides: list[str], ran: list[tup
                        f"the DVC cache; retry with {retry}: {_failed('push', done)}")
     pushed = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "pushed"
     return True, f"{line}; pushed to DVC remote {remote.url} ({pushed})"
+
+
+def run_project(root: Path) -> bool:
+    """A run folder made a DVC project of its own here (`.dvc/`, no `dvc.yaml`)."""
+    return (root / ".dvc").is_dir() and not versioning.dvc_project(root)
+
+
+def pointer_files(root: Path) -> list[Path]:
+    """All a workstation needs to `dvc pull` a run folder (relative to it): `.dvc/config` (the
+    remote; no keys) and the `*.dvc` files (each output's hash)."""
+    pointers = [p.relative_to(root) for p in root.rglob("*.dvc") if p.is_file()]
+    return [Path(".dvc/config"), *sorted(p for p in pointers if ".dvc" not in p.parts[:-1])]
+
+
+def log_pointers(root: Path, uri: str, run_id: str) -> str:
+    """Log a run folder's DVC pointers to its MLflow run under `dvc/` (then, on a workstation,
+    `mlflow artifacts download --run-id <id> --artifact-path dvc` and `dvc pull` there); one line
+    saying so, or why not (a failure here never costs the run its results)."""
+    import shutil
+    import tempfile
+
+    from qad_pipeline import tracking
+
+    try:
+        with tempfile.TemporaryDirectory() as staged:
+            files = pointer_files(root)
+            for rel in files:
+                (Path(staged) / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(root / rel, Path(staged) / rel)
+            tracking.client_for(uri).log_artifacts(run_id, staged, POINTERS_ARTIFACT)
+    except Exception as err:  # noqa: BLE001
+        return f"could not log the DVC pointers to MLflow run {run_id} ({err})"
+    return f"its {len(files)} DVC pointer files are in MLflow run {run_id} under {POINTERS_ARTIFACT}/"
+

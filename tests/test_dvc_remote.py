@@ -107,10 +107,25 @@ def fake_run(root: Path) -> list[tuple[str, str | None]]:
     return [("calibration", None), ("ptq", "r1"), ("export", None)]
 
 
-@pytest.mark.slow  # ~14 s: a dozen `dvc` processes, a server
-def test_push_then_pull_on_a_workstation_and_a_failed_push_retried(s3, tmp_path):
+def mlflow_run(root: Path) -> tuple[str, str]:
+    """An ended MLflow run in the run folder's own store, recorded as the run's (as the flow does)."""
+    from qad_pipeline import tracking
+    from qad_pipeline.layout import Layout
+
+    uri = tracking.tracking_uri(root)
+    client = tracking.client_for(uri)
+    run_id = client.create_run(client.create_experiment("qad-pipeline/test")).info.run_id
+    client.set_terminated(run_id)
+    tracking.record_run(Layout(root), uri, run_id, logged=True)
+    return uri, run_id
+
+
+@pytest.mark.slow  # ~20 s: a dozen `dvc` processes, the CLI, MLflow's
+def test_push_fails_then_the_cli_retries_and_a_workstation_pulls_through_mlflow(s3, tmp_path, monkeypatch):
     run = tmp_path / "runs" / "demo-model-1a2b"
     ran = fake_run(run)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri, run_id = mlflow_run(run)
     remote = RemoteParams(url="s3://qad-dvc/runs", endpoint_url=s3)
 
     # the bucket does not exist yet: the push fails, says so and how to retry; nothing is lost
@@ -120,24 +135,32 @@ def test_push_then_pull_on_a_workstation_and_a_failed_push_retried(s3, tmp_path)
     assert (run / "artifacts/export/model.safetensors").is_file()
 
     make_bucket(s3, "qad-dvc")
-    retry = subprocess.run(["qad-pipeline", "push", "--out-root", str(run), "--params", str(PROJECT_PARAMS),
-                            "--set", f"versioning.remote={{url: 's3://qad-dvc/runs', endpoint_url: '{s3}'}}"],
-                           capture_output=True, text=True, env=tool_env())
+    env = {**tool_env(), "QAD_DVC_REMOTE": "s3://qad-dvc/runs", "QAD_DVC_ENDPOINT_URL": s3}  # as on the cluster
+    retry = subprocess.run(["qad-pipeline", "push", "--out-root", str(run), "--params", str(PROJECT_PARAMS)],
+                           capture_output=True, text=True, env=env)
     assert retry.returncode == 0, retry.stderr + retry.stdout
     assert "pushed to DVC remote s3://qad-dvc/runs" in retry.stdout
+    assert f"DVC pointer files are in MLflow run {run_id} under dvc/" in retry.stdout
     config = (run / ".dvc" / "config").read_text()
     assert "s3://qad-dvc/runs" in config and s3 in config and "qad-test" not in config  # no key written
 
     # only the outputs of what ran are tracked: not the failed recipe's leftovers
-    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*.dvc") if p.is_file()) == [
-        "artifacts/calibration.dvc", "artifacts/export.dvc", "artifacts/ptq/r1.dvc", "metrics/export.json.dvc"]
+    assert [p.as_posix() for p in dvc_remote.pointer_files(run)] == [
+        ".dvc/config", "artifacts/calibration.dvc", "artifacts/export.dvc", "artifacts/ptq/r1.dvc",
+        "metrics/export.json.dvc"]
 
+    # a workstation: the pointers from MLflow, the data from the bucket (infra/README.md, "DVC on the cluster")
     desk = tmp_path / "workstation"
-    pulled = workstation_pull(run, desk, "artifacts/export.dvc", "metrics/export.json.dvc")
+    got = subprocess.run(["mlflow", "artifacts", "download", "--run-id", run_id, "--artifact-path", "dvc",
+                          "--dst-path", str(desk)], capture_output=True, text=True,
+                         env={**tool_env(), "MLFLOW_TRACKING_URI": uri})
+    assert got.returncode == 0, got.stderr
+    pulled = subprocess.run(["dvc", "pull", "artifacts/export.dvc", "metrics/export.json.dvc"], cwd=desk / "dvc",
+                            capture_output=True, text=True, env=tool_env())
     assert pulled.returncode == 0, pulled.stderr
-    assert digests(desk / "artifacts/export") == digests(run / "artifacts/export")
-    assert (desk / "metrics/export.json").read_bytes() == (run / "metrics/export.json").read_bytes()
-    assert not (desk / "artifacts/ptq/r1").exists()  # what was not asked for stays in the bucket
+    assert digests(desk / "dvc/artifacts/export") == digests(run / "artifacts/export")
+    assert (desk / "dvc/metrics/export.json").read_bytes() == (run / "metrics/export.json").read_bytes()
+    assert not (desk / "dvc/artifacts/ptq/r1").exists()  # what was not asked for stays in the bucket
 
 
 def test_ran_on_disk_reads_the_items_a_run_left(tmp_path):
@@ -147,3 +170,36 @@ def test_ran_on_disk_reads_the_items_a_run_left(tmp_path):
     assert set(dvc_remote.run_outputs(tmp_path, found)) == {
         "artifacts/calibration", "artifacts/ptq/r1", "artifacts/export", "metrics/export.json"}
     assert all(name in STAGES for name, _ in found)
+
+
+def test_a_flow_runs_outputs_pushed_and_its_export_pulled_back(pipeline_run, s3, tmp_path):
+    """The session's flow run (tests/conftest.py; no remote configured): its post-run step said so;
+    then the same step on a copy of its folder, with a remote, pushes exactly the declared outputs
+    of the stages that completed, and a workstation pulls the export back, byte for byte."""
+    from tests.conftest import BROKEN_RECIPE, GOOD_RECIPES
+
+    summary, layout, overrides, _ = pipeline_run
+    assert "no DVC remote configured (versioning.remote)" in summary["dvc"], summary["dvc"]
+    assert not (layout.root / ".dvc").exists()  # without a remote the run's folder is left as it is
+    run = tmp_path / "run"
+    for folder in ("artifacts", "metrics"):
+        shutil.copytree(layout.root / folder, run / folder)
+    ran = [(name, item or None) for name, _, item in (key.partition("/") for key in summary["seconds"])
+           if name in STAGES]
+    assert ("export", None) in ran and ("ptq", BROKEN_RECIPE) not in ran
+
+    make_bucket(s3, "qad-runs")
+    done, line = dvc_remote.after_run(run, PROJECT_PARAMS, overrides, ran,
+                                      RemoteParams(url="s3://qad-runs/cluster", endpoint_url=s3))
+    assert done, line
+    tracked = {p.as_posix().removesuffix(".dvc") for p in dvc_remote.pointer_files(run)[1:]}
+    assert tracked == set(dvc_remote.run_outputs(run, ran))
+    assert {"artifacts/calibration", "artifacts/baseline", "artifacts/qad", "artifacts/export", "metrics/export.json",
+            *(f"artifacts/ptq/{name}" for name in GOOD_RECIPES)} <= tracked
+    assert f"artifacts/ptq/{BROKEN_RECIPE}" not in tracked
+
+    desk = tmp_path / "workstation"
+    pulled = workstation_pull(run, desk, "artifacts/export.dvc")
+    assert pulled.returncode == 0, pulled.stderr
+    assert digests(desk / "artifacts/export") == digests(layout.root / "artifacts/export")
+    assert any(name.endswith(".safetensors") for name in digests(desk / "artifacts/export"))
