@@ -42,7 +42,7 @@ from flows.publish import link_tracking, publish_recipe_table, publish_report, s
 from flows.runtime import (Job, fail_on_required, holding_outputs, parameter_overrides, start_job, stop_everything,
                            submit_stages)
 from flows.stages import StageFailed
-from qad_pipeline import versioning
+from qad_pipeline import dvc_remote
 from qad_pipeline.run_plots import write_plots
 from qad_pipeline.report import read_summary, report_text
 from qad_pipeline.results.base import dump_result, read_result
@@ -93,10 +93,12 @@ def qad_pipeline(
         summary.plots = [str(p) for p in write_plots(layout, params.ptq.recipes)]
         export = summary.export.model_dump(mode="json") if summary.export else None
         summary.mlflow = track(layout, params, report_text(summary), parent_run, export)
-    recorded, summary.dvc = versioning.record_run(layout.root, Path(job.params_file), overrides,
-                                                  versioning.stage_names(ran))
-    (get_run_logger().info if recorded or not versioning.dvc_project(layout.root) else get_run_logger().warning)(
-        summary.dvc)
+    # after the holds are released (DVC takes its own lock): commit the outputs to DVC, push them
+    done, summary.dvc = dvc_remote.after_run(layout.root, Path(job.params_file), overrides, ran,
+                                             dvc_remote.remote_for(params))
+    if done and summary.mlflow.get("run_id") and dvc_remote.run_project(layout.root):  # `dvc pull` anywhere
+        summary.dvc += "; " + dvc_remote.log_pointers(layout.root, summary.mlflow["uri"], summary.mlflow["run_id"])
+    (get_run_logger().info if done else get_run_logger().warning)(summary.dvc)
     return dump_result(summary)
 
 

@@ -5,6 +5,7 @@
     qad-pipeline stage ptq nvfp4_max-mamba_fp8-kv_fp8  # one stage, as `dvc repro` runs it
     qad-pipeline sweep --set 'sweep.budgets=[4.75, 5.0, 6.5]'  # the BPE sweep: AutoQuantize per budget, the knee
     qad-pipeline plan --set qad.seq_len=32768          # each stage's peak memory, before any weights load
+    qad-pipeline push --out-root runs/x                # a finished run's outputs to the DVC remote (a retry)
 """
 
 from __future__ import annotations
@@ -20,13 +21,8 @@ from typing import Annotated
 import typer
 
 from qad_pipeline import processes
-from qad_pipeline.config import (
-    DEFAULT_PARAMS,
-    ConfigError,
-    Params,
-    StageError,
-    load_params,
-)
+from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt
+from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import check_recipes, preflight
 from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
@@ -35,6 +31,7 @@ from qad_pipeline.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
 _debug = False
+app.command("trainjob")(trainjob_command)  # qad_pipeline/trainjob.py
 
 
 @app.callback()
@@ -43,21 +40,6 @@ def _options(
 ) -> None:
     global _debug
     _debug = debug
-
-ParamsOpt = Annotated[
-    Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
-]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),
-]
-BaseOpt = Annotated[
-    str | None, typer.Option("--base-model", help="base model: local folder or hub id (base_model.path)")
-]
-RootOpt = Annotated[
-    Path | None,
-    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
-]
 
 
 Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # the declared stages, in order
@@ -275,6 +257,26 @@ def compare(
     typer.echo(tracking.compare_text(rows))
 
 
+@app.command()
+def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_root: RootOpt = None) -> None:
+    """Commit a finished run's outputs to DVC and push them to the remote (`versioning.remote`, else
+    $QAD_DVC_REMOTE), as a run does when it ends: the retry of a failed push."""
+    from qad_pipeline import dvc_remote, tracking
+
+    root = output_root(out_root, params_file)
+    try:
+        remote = dvc_remote.push_remote(resolve_params(params_file, overrides, None), root)
+    except ConfigError as err:
+        _fail(err)
+    done, line = dvc_remote.after_run(root, Path(params_file), list(overrides or []), dvc_remote.ran_on_disk(root),
+                                      remote)
+    record = done and dvc_remote.run_project(root) and tracking.recorded_run(Layout(root), tracking.tracking_uri(root))
+    if record:  # the run's MLflow run gets the pointers, as after the run
+        line += "; " + dvc_remote.log_pointers(root, tracking.tracking_uri(root), record.run_id)
+    typer.echo(line)
+    raise typer.Exit(0 if done else 1)
+
+
 @app.command("prefect-setup")
 def prefect_setup(
     kubernetes: Annotated[bool, typer.Option(help="Kubernetes pools with the infra/k8s/base/ job templates")] = False,
@@ -352,9 +354,6 @@ def plan_command(
         memory.check_fits(estimates)
     except ConfigError as err:
         _fail(err)
-
-
-app.command("trainjob")(trainjob_command)
 
 
 @app.command("setup-vllm")

@@ -20,6 +20,7 @@ from qad_pipeline.params_files import apply_overrides, read_yaml
 from qad_pipeline.params_files import parse_override as parse_override
 from qad_pipeline.params_files import yaml_error as yaml_error
 from qad_pipeline.redaction import flatten, secret_in
+from qad_pipeline.remote_config import VersioningParams
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # this source checkout (demo model, tests)
 PROJECT_PARAMS = PROJECT_ROOT / "params.yaml"  # this checkout's own params.yaml (the bundled defaults)
@@ -299,6 +300,7 @@ class Params(_Section):
     sweep: SweepParams
     qad: QADParams
     export: ExportParams
+    versioning: VersioningParams = VersioningParams()  # the DVC remote runs push to (remote_config.py)
 
     def recipe_path(self, name: str, root: Path | None = None) -> Path:
         return resolve(self.ptq.recipe_dir, root) / f"{name}.yaml"

@@ -42,7 +42,9 @@ def why_not_recorded(root: Path, params_file: Path, overrides: list[str]) -> str
         return f"{root} is not a DVC project (no .dvc/ and dvc.yaml)"
     if params_file.resolve() != (root / "params.yaml").resolve():
         return f"the run used {params_file}, not the DVC project's {root / 'params.yaml'}"
-    if overrides and load_params(params_file, overrides) != load_params(params_file):
+    unversioned = {"versioning": None}  # where the outputs are pushed changes none of them
+    if overrides and (load_params(params_file, overrides).model_copy(update=unversioned)
+                      != load_params(params_file).model_copy(update=unversioned)):
         return (f"the run overrode params.yaml ({', '.join(overrides)}); "
                 "`dvc exp run --set-param ...` records such runs")
     return None

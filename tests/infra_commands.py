@@ -78,7 +78,19 @@ def mlflow_server_options() -> frozenset[str]:
 
 
 def check_mlflow(args: list[str]) -> None:
-    assert args[:1] == ["server"], f"`mlflow {shlex.join(args)}`: only `mlflow server` is expected in infra/"
+    if args[:1] != ["server"]:  # a client command (infra/README.md: `mlflow artifacts download`): MLflow's click CLI
+        import mlflow.cli
+
+        command, rest, prog = mlflow.cli.cli, list(args), "mlflow"
+        while hasattr(command, "commands") and rest and not rest[0].startswith("-"):
+            sub = command.commands.get(rest[0])
+            assert sub is not None, f"`mlflow {shlex.join(args)}`: no command {rest[0]!r}"
+            prog, command, rest = f"{prog} {rest[0]}", sub, rest[1:]
+        try:
+            command.make_context(prog, rest)
+        except Exception as err:  # noqa: BLE001 (click's usage errors name the bad option)
+            raise AssertionError(f"`mlflow {shlex.join(args)}`: {getattr(err, 'format_message', err.__str__)()}") from None
+        return
     options = mlflow_server_options()
     for arg in args[1:]:
         if arg.startswith("-"):

@@ -1,0 +1,24 @@
+"""The options the `qad-pipeline` commands share (qad_pipeline/cli.py): the params file, its overrides,
+the base model and the out-root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+ParamsOpt = Annotated[
+    Path, typer.Option("--params", help="params file with every default; relative paths in it are relative to its folder")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="override one parameter: section.key=value (repeatable)"),
+]
+BaseOpt = Annotated[
+    str | None, typer.Option("--base-model", help="base model: local folder or hub id (base_model.path)")
+]
+RootOpt = Annotated[
+    Path | None,
+    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
+]
