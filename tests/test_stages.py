@@ -211,3 +211,26 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
         assert s.mlflow and callable(load_reference(s.mlflow))
     for s in STAGES.values():  # every stage has a memory model
         assert callable(load_reference(s.memory)) or isinstance(load_reference(s.memory), int), s.name
+
+
+def test_the_race_runs_between_the_recipes_and_selection_only_when_racing(monkeypatch, tmp_path):
+    from flows import runtime
+    from qad_pipeline import memory
+    from qad_pipeline.layout import Layout
+
+    names = [s.name for s, _ in planned(load_params(PROJECT_PARAMS))]
+    assert "race" not in names
+    params = load_params(PROJECT_PARAMS, {"race.enabled": True})
+    names = [s.name for s, _ in planned(params)]
+    assert names.index("race") == names.index("selection") - 1 and names.index("race") > names.index("ptq")
+    submitted = {}
+
+    def fake_submit(job, stage, item=None, after=None):
+        submitted[(stage, item)] = [a.unwrap() if hasattr(a, "unwrap") else a for a in after or []]  # allow_failure
+        return f"{stage}:{item}"
+
+    monkeypatch.setattr(runtime, "submit", fake_submit)
+    runtime.submit_stages(runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path)), planned(params))
+    assert "race:None" in submitted[("selection", None)]
+    assert {f"ptq:{r}" for r in params.ptq.recipes} <= set(submitted[("race", None)])
+    assert [p for p in memory.plan(params) if p.stage == "race"]  # one model at a time, like final_eval
