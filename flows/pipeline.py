@@ -95,7 +95,7 @@ def qad_pipeline(
         summary.mlflow = track(layout, params, report_text(summary), parent_run, export)
     # after the holds are released (DVC takes its own lock): commit the outputs to DVC, push them
     done, summary.dvc = dvc_remote.after_run(layout.root, Path(job.params_file), overrides, ran,
-                                             dvc_remote.remote_for(params))
+                                             dvc_remote.remote_for(params), get_run_logger().info)
     if done and summary.mlflow.get("run_id") and dvc_remote.run_project(layout.root):  # `dvc pull` anywhere
         summary.dvc += "; " + dvc_remote.log_pointers(layout.root, summary.mlflow["uri"], summary.mlflow["run_id"])
     (get_run_logger().info if done else get_run_logger().warning)(summary.dvc)

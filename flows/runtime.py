@@ -30,7 +30,6 @@ from flows.stages import StageFailed, run_stage_process
 from qad_pipeline import gpus, processes
 from qad_pipeline.artifacts import list_files
 from qad_pipeline.config import Params, load_params, resolve
-from qad_pipeline.dvc_remote import remote_for
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import preflight
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
@@ -182,7 +181,6 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)
-    remote_for(params)  # the DVC remote the run pushes to (a bad one is refused now, not after the run)
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=sweep)

@@ -269,7 +269,7 @@ def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_
     except ConfigError as err:
         _fail(err)
     done, line = dvc_remote.after_run(root, Path(params_file), list(overrides or []), dvc_remote.ran_on_disk(root),
-                                      remote)
+                                      remote, typer.echo)
     record = done and dvc_remote.run_project(root) and tracking.recorded_run(Layout(root), tracking.tracking_uri(root))
     if record:  # the run's MLflow run gets the pointers, as after the run
         line += "; " + dvc_remote.log_pointers(root, tracking.tracking_uri(root), record.run_id)

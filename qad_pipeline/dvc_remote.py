@@ -24,9 +24,11 @@ the command that retries it.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from qad_pipeline import versioning
@@ -50,6 +52,14 @@ def remote_for(params: Params) -> RemoteParams | None:
     return remote
 
 
+def check_out_root(root: Path, remote: RemoteParams | None) -> None:
+    """With a remote, an out-root that holds a `dvc.yaml` but no `.dvc/` (the image's own folder,
+    the default out-root there) can become neither kind of project: refused before the run."""
+    if remote and (root / "dvc.yaml").is_file() and not (root / ".dvc").is_dir():
+        raise ConfigError(f"{root} holds a dvc.yaml but is no DVC project, so the run could not be pushed to "
+                          f"{remote.url}: give the run its own out_root (e.g. runs/<name>), or `dvc init` there")
+
+
 def push_remote(params: Params, root: Path) -> RemoteParams:
     """`qad-pipeline push`: the remote (pushing, whatever `push` says) and a finished run under `root`."""
     remote = remote_for(params)
@@ -58,6 +68,7 @@ def push_remote(params: Params, root: Path) -> RemoteParams:
                           "s3://<bucket>/<prefix>, endpoint_url: http://<host>:9000}') or QAD_DVC_REMOTE")
     if not (root / "artifacts").is_dir():
         raise ConfigError(f"no run under {root} (no artifacts/ folder)")
+    check_out_root(root, remote)
     return remote.model_copy(update={"push": True})
 
 
@@ -89,13 +100,17 @@ def dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _failed(what: str, done: subprocess.CompletedProcess) -> str:
-    return f"`dvc {what}` failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-600:]}"
+    """One line: DVC's own ERROR line (without its "Having any troubles?" footer), else its last line."""
+    lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+    said = next((line for line in lines if line.startswith("ERROR")), lines[-1] if lines else "no output")
+    return f"`dvc {what}` failed (exit {done.returncode}): {said[:600]}"
 
 
 def add_remote(root: Path, remote: RemoteParams, local: bool) -> str | None:
-    """Set remote `qad` (the default one) in the project at `root`; None, or why it could not."""
+    """Set remote `qad` in the project at `root`: in a run folder's `.dvc/config` as its default, in
+    the pipeline project's `.dvc/config.local` (`local`) beside its own default; None, or why not."""
     where = ["--local"] if local else []
-    steps = [["remote", "add", *where, "--force", "--default", REMOTE, remote.url],
+    steps = [["remote", "add", *where, *([] if local else ["--default"]), "--force", REMOTE, remote.url],
              *(["remote", "modify", *where, REMOTE, key, value] for key, value in remote.dvc_settings().items())]
     for args in steps:
         done = dvc(root, *args)
@@ -104,7 +119,8 @@ def add_remote(root: Path, remote: RemoteParams, local: bool) -> str | None:
     return None
 
 
-def track_run_folder(root: Path, remote: RemoteParams, ran: list[tuple[str, str | None]]) -> tuple[list[str], str | None]:
+def track_run_folder(root: Path, remote: RemoteParams, ran: list[tuple[str, str | None]],
+                     log: Callable[[str], None]) -> tuple[list[str], str | None]:
     """Make `root` a DVC project (once) with the remote, and `dvc add` the run's outputs; (the
     paths tracked, None or the failure)."""
     if not (root / ".dvc").is_dir():
@@ -115,6 +131,12 @@ def track_run_folder(root: Path, remote: RemoteParams, ran: list[tuple[str, str 
     if error:
         return [], error
     outputs = run_outputs(root, ran)
+    declared = [o.path.replace("{recipe}", "*") for stage in STAGES.values() for o in stage.outputs]
+    for pointer in pointer_files(root)[1:]:  # a previous run's, for an output this run cleared and did not write
+        target = pointer.as_posix().removesuffix(".dvc")
+        if not (root / target).exists() and any(fnmatch.fnmatchcase(target, pattern) for pattern in declared):
+            (root / pointer).unlink()
+    log(f"DVC: tracking {len(outputs)} outputs of the run in {root} (`dvc add`: each file hashed and cached once)")
     done = dvc(root, "add", "--quiet", *outputs) if outputs else None
     if done is not None and done.returncode != 0:
         return [], _failed("add", done)
@@ -122,9 +144,9 @@ def track_run_folder(root: Path, remote: RemoteParams, ran: list[tuple[str, str 
 
 
 def after_run(root: Path, params_file: Path, overrides: list[str], ran: list[tuple[str, str | None]],
-              remote: RemoteParams | None) -> tuple[bool, str]:
+              remote: RemoteParams | None, log: Callable[[str], None] = lambda line: None) -> tuple[bool, str]:
     """The run's outputs committed to DVC (and pushed, with a remote that pushes): (all done?, the
-    one line the run logs and its summary keeps in `dvc`)."""
+    one line the run logs and its summary keeps in `dvc`). `log` gets a line before each long step."""
     stages = versioning.stage_names(ran)
     if versioning.dvc_project(root):
         recorded, line = versioning.record_run(root, params_file, overrides, stages)
@@ -135,13 +157,14 @@ def after_run(root: Path, params_file: Path, overrides: list[str], ran: list[tup
         _, line = versioning.record_run(root, params_file, overrides, stages)
         return True, line + "; no DVC remote configured (versioning.remote), so the outputs stay here only"
     else:
-        targets, error = track_run_folder(root, remote, ran)
+        targets, error = track_run_folder(root, remote, ran, log)
         line = f"tracked in the run's own DVC project {root} ({len(targets)} outputs, `dvc add`)"
     retry = f"`qad-pipeline push --out-root {root}`"
     if error:
         return False, f"not pushed to DVC remote {remote.url}: {error}; the results are on disk; retry with {retry}"
     if not remote.push:
         return True, f"{line}; not pushed (versioning.remote.push is false): {retry} sends them to {remote.url}"
+    log(f"DVC: pushing the run's outputs to {remote.url}")
     done = dvc(root, "push", "--remote", REMOTE, *targets)
     if done.returncode != 0:
         return False, (f"{line}; the push to DVC remote {remote.url} FAILED, the results are kept on disk and in "

@@ -61,7 +61,8 @@ def _quiet_libraries():
 def preflight(params: Params, out_root: Path, memory: bool = True, tracking: bool = True, serving: bool = True,
               sweep: bool = False) -> None:
     """Every check that needs no model weights, before any stage process starts; a failure is one
-    `ConfigError` line. In order: the tracking store (reachable and MLflow; with `tracking`), every
+    `ConfigError` line. In order: the tracking store (reachable and MLflow) and the DVC remote
+    (`versioning.remote` or $QAD_DVC_REMOTE; the out-root can take it), both with `tracking`, every
     recipe's file, the base model's config and sequence lengths, the eval tasks, every recipe loaded
     and validated by Model Optimizer, (with `memory`) the memory plan against this machine's free
     memory (without it, on GPU workers: against `hardware.target` when it is set), the base model's weight files (headers and sizes, no tensors), and the calibration text
@@ -73,6 +74,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     from qad_pipeline import autoquant
     from qad_pipeline import tracking as mlflow_tracking
     from qad_pipeline.calibration_data import check_calibration
+    from qad_pipeline.dvc_remote import check_out_root, remote_for
     from qad_pipeline.evaluation import check_tasks
     from qad_pipeline.memory import check_fits, plan, target_capacity
     from qad_pipeline.modeling import check_base_model, check_model_files, load_tokenizer
@@ -81,6 +83,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
 
     if tracking:
         mlflow_tracking.check_reachable(mlflow_tracking.tracking_uri(out_root))
+        check_out_root(out_root, remote_for(params))  # the DVC remote the run pushes to when it ends
     check_recipes(params, sweep=sweep or with_sweep(params))
     with _quiet_libraries():
         check_base_model(

@@ -77,6 +77,7 @@ def refused_process(out_root, *args, env=None):
         (["--set", "export.source=latest"], "export.source 'latest' is not auto, qad, none or ptq/<recipe>"),
         (["--set", "ptq.layerwise=true", "--set", "ptq.recipes=[nvfp4_max-mamba_fp8-kv_fp8, autoquant_4o6-fp8-kv_fp8]"],
          "ptq.layerwise: recipe autoquant_4o6-fp8-kv_fp8 is an AutoQuantize recipe"),
+        (["--set", "versioning.remote={url: s3://Bad_Bucket}"], "versioning.remote.url = 's3://Bad_Bucket'"),
     ],
 )
 def test_run_rejects_bad_input_in_one_line(args, message, demo_model_path, tmp_path):
@@ -85,6 +86,18 @@ def test_run_rejects_bad_input_in_one_line(args, message, demo_model_path, tmp_p
     assert message in out
     assert "Traceback" not in out
     assert not (tmp_path / "artifacts").exists()  # nothing started
+
+
+def test_a_dvc_remote_the_run_could_not_push_to_is_refused_before_it(demo_model_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("QAD_DVC_REMOTE", "s3://qad-dvc/runs")
+    monkeypatch.setenv("QAD_DVC_ENDPOINT_URL", "minio:9000")
+    assert "QAD_DVC_ENDPOINT_URL='minio:9000': 'minio:9000' is not an http(s):// URL" in refused(tmp_path / "a")
+    monkeypatch.setenv("QAD_DVC_ENDPOINT_URL", "http://minio:9000")
+    (tmp_path / "image").mkdir()
+    (tmp_path / "image" / "dvc.yaml").write_text("stages: {}\n")  # the image's folder: a dvc.yaml, no .dvc/
+    code, out = run_cli("run", "--out-root", str(tmp_path / "image"))
+    assert code == 2 and "holds a dvc.yaml but is no DVC project" in out and "runs/<name>" in out, out
+    assert not (tmp_path / "image" / "artifacts").exists()
 
 
 def test_not_a_causal_lm(tmp_path):

@@ -157,6 +157,26 @@ def test_push_pull_and_a_missing_remote(project):
     sh(repo, "dvc", "remote", "remove", "gone")
 
 
+def test_a_run_in_the_project_pushes_its_stages_to_the_configured_remote(project, tmp_path):
+    from qad_pipeline.dvc_remote import after_run
+    from qad_pipeline.remote_config import RemoteParams
+
+    repo = project[0]
+    ran = [(name.split("@")[0], name.partition("@")[2] or None) for name in sorted(ALL_STAGES)]
+    committed_config = (repo / ".dvc/config").read_text()
+    kept = RemoteParams(url=str(tmp_path / "kept"), push=False)
+    done, line = after_run(repo, repo / "params.yaml", [f"versioning.remote={{url: {kept.url}, push: false}}"], ran, kept)
+    assert done and line.startswith("recorded in DVC") and "not pushed (versioning.remote.push is false)" in line
+    assert not (tmp_path / "kept").exists()
+    remote = RemoteParams(url=str(tmp_path / "runs-remote"))
+    done, line = after_run(repo, repo / "params.yaml", [], ran, remote)
+    assert done and f"pushed to DVC remote {remote.url}" in line, line
+    assert sum(p.is_file() for p in (tmp_path / "runs-remote").rglob("*")) > 10
+    assert remote.url in (repo / ".dvc/config.local").read_text()
+    assert (repo / ".dvc/config").read_text() == committed_config  # the project's committed config is untouched
+    assert "Data and pipelines are up to date" in sh(repo, "dvc", "status").stdout
+
+
 def test_stale_lock_of_a_killed_run_is_reported_and_recovered(project):
     repo = project[0]
     (repo / ".qad-pipeline.lock").write_text(json.dumps(

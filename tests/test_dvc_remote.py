@@ -162,6 +162,12 @@ def test_push_fails_then_the_cli_retries_and_a_workstation_pulls_through_mlflow(
     assert (desk / "dvc/metrics/export.json").read_bytes() == (run / "metrics/export.json").read_bytes()
     assert not (desk / "dvc/artifacts/ptq/r1").exists()  # what was not asked for stays in the bucket
 
+    # the same folder run again, r1 cleared and failed this time: its old pointer goes, the rest is pushed again
+    shutil.rmtree(run / "artifacts/ptq/r1")
+    done, line = dvc_remote.after_run(run, PROJECT_PARAMS, [], [("calibration", None), ("export", None)], remote)
+    assert done and "pushed to DVC remote" in line, line
+    assert "artifacts/ptq/r1.dvc" not in [p.as_posix() for p in dvc_remote.pointer_files(run)]
+
 
 def test_ran_on_disk_reads_the_items_a_run_left(tmp_path):
     fake_run(tmp_path)
