@@ -193,16 +193,21 @@ def test_trial_prefect_server_keeps_leases_on_disk():
         assert host == service and int(port) in ports, f"{key}={config[key]}"
 
 
-def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
-    """An overlay with components/gpu-pool-4 (as a user adds it): a third worker and pool whose Jobs
-    request 4 GPUs, with the overlay's image; the other pools keep one."""
-    overlay = tmp_path / "with-gpu-pool-4"
+def with_component(tmp_path, component: str) -> tuple[dict, ...]:
+    """The external overlay with infra/k8s/components/<component> added (as a user adds it), rendered."""
+    overlay = tmp_path / f"with-{component}"
     overlay.mkdir()
     rel = os.path.relpath(K8S, overlay)
     text = (OVERLAYS["external"] / "kustomization.yaml").read_text()
     overlay.joinpath("kustomization.yaml").write_text(
-        text.replace("  - ../../base\n", f"  - {rel}/base\ncomponents:\n  - {rel}/components/gpu-pool-4\n"))
-    objs = build(overlay)
+        text.replace("  - ../../base\n", f"  - {rel}/base\ncomponents:\n  - {rel}/components/{component}\n"))
+    return build(overlay)
+
+
+def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
+    """An overlay with components/gpu-pool-4 (as a user adds it): a third worker and pool whose Jobs
+    request 4 GPUs, with the overlay's image; the other pools keep one."""
+    objs = with_component(tmp_path, "gpu-pool-4")
     assert set(workers(objs)) == {"qad-gpu", "qad-control", "qad-gpu-4"}
     job = render_job(pool_template(objs, "qad-gpu-4"))
     (container,) = job["spec"]["template"]["spec"]["containers"]
@@ -216,13 +221,7 @@ def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
 def test_multinode_qad_component_lets_the_qad_pod_launch_its_trainjob(tmp_path):
     """components/multinode-qad: the flow-run pods' identity may create, follow and delete TrainJobs
     (and nothing more), with a token; the job's image in qad-config is the overlay's."""
-    overlay = tmp_path / "with-multinode-qad"
-    overlay.mkdir()
-    rel = os.path.relpath(K8S, overlay)
-    text = (OVERLAYS["external"] / "kustomization.yaml").read_text()
-    overlay.joinpath("kustomization.yaml").write_text(
-        text.replace("  - ../../base\n", f"  - {rel}/base\ncomponents:\n  - {rel}/components/multinode-qad\n"))
-    objs = build(overlay)
+    objs = with_component(tmp_path, "multinode-qad")
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for obj in objs:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
