@@ -153,18 +153,15 @@ def join_world(params: Params) -> World:
 def _empty_model(params: Params, folder: Path | None, dtype: torch.dtype):
     """The model's modules with no storage (meta tensors): the teacher's class from its config, or the
     student's with its quantizers restored from `folder`'s Model Optimizer state, as `load_model` would."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from qad_pipeline.modeling import load_config
 
-    config = load_config(params.base_model) if folder is None else None
-    if folder is not None:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(folder, trust_remote_code=params.base_model.trust_remote_code)
+    remote = params.base_model.trust_remote_code
+    config = load_config(params.base_model) if folder is None else AutoConfig.from_pretrained(
+        folder, trust_remote_code=remote)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 trust_remote_code=params.base_model.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
     if folder is not None:
         import modelopt.torch.opt as mto
 
