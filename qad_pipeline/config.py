@@ -158,6 +158,7 @@ class EvalParams(_Section):
     kl_top_k: int = Field(gt=0)
     kl_tail_samples: int = Field(ge=0)
     task_settings: dict[str, TaskSettings] = {}  # per task: few-shot, chat template, generation, metric, filter
+    backend: Literal["hf", "vllm"] = "hf"  # vllm: the served_eval stage scores the export through vLLM too
 
     @field_validator("task_settings")
     @classmethod

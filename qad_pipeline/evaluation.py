@@ -84,14 +84,11 @@ def primary_score(task: str, results: dict, higher: dict, metric_order: list[str
     }
 
 
-def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path,
-                   items: dict[str, list[int]] | None = None) -> dict[str, dict]:
-    """Every task of `params.tasks` scored through lm-eval (with `items`, racing: only the tasks it names
-    with ids, on those doc ids, through lm-eval's `samples`; the others in full)."""
-    from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
-
+def eval_calls(params: EvalParams, eval_dir: Path, items: dict[str, list[int]] | None = None
+               ) -> tuple[list[dict], dict[str, list[str]]]:
+    """lm-eval's `simple_evaluate` calls for `params.tasks` (`qad_pipeline.lm_eval_calls`: JSON, what
+    the vLLM side runs too), and each task's metric order. With `items` (racing): only the tasks it
+    names with ids, on those doc ids, through lm-eval's `samples`; the others in full."""
     task_dir = resolve(params.task_dir)
     specs, metric_orders = {}, {}
     names = [n for n in params.tasks if items is None or n not in items or items[n]]
@@ -99,36 +96,44 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path,
         cfg = project_task_config(name, task_dir, eval_dir)
         specs[name] = cfg if cfg is not None else name
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
-    # lm-eval's registry is indexed (~9 s, ~15,000 YAML files) only for a task of its own: the
-    # project's tasks come as whole configs
-    registry = TaskManager(include_defaults=any(isinstance(spec, str) for spec in specs.values()))
-    from qad_pipeline.modeling import input_device
-
-    # lm-eval takes the model where it is (a spread model's inputs go to its first device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
-    out: dict[str, dict] = {"results": {}, "higher_is_better": {}, "samples": {}, "configs": {}}
+    calls = []
     for (fewshot, chat, multiturn, gen, limit), group in _by_settings(params).items():
         group = [n for n in group if n in names]
         if not group:
             continue
         # lm-eval maps a logged sample back to its doc id only through sorted ids (evaluator.py)
         samples = {n: sorted(items[n]) for n in group if items and n in items} or None
-        run = simple_evaluate(
-            model=lm, tasks=[specs[n] for n in group], task_manager=registry, samples=samples,
-            limit=None if samples else limit, num_fewshot=fewshot,
-            apply_chat_template=chat, fewshot_as_multiturn=multiturn, gen_kwargs=dict(gen) if gen else None,
-            log_samples=True, bootstrap_iters=0, verbosity="WARNING",
-        )
-        for key in out:
-            out[key].update(run.get(key) or {})
+        calls.append({"tasks": [specs[n] for n in group], "samples": samples,
+                      "limit": None if samples else limit, "num_fewshot": fewshot, "apply_chat_template": chat,
+                      "fewshot_as_multiturn": multiturn, "gen_kwargs": dict(gen) if gen else None})
+    return calls, metric_orders
+
+
+def read_scores(params: EvalParams, out: dict, metric_orders: dict[str, list[str]]) -> dict[str, dict]:
+    """Each task's score (`primary_score`) and per-item values from merged lm-eval results (`run_calls`)."""
     scores = {}
-    for name in names:
+    for name, order in metric_orders.items():
         chosen = params.settings(name)
         scores[name] = primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}),
-                                     metric_orders[name], chosen.metric, chosen.filter)
+                                     order, chosen.metric, chosen.filter)
         scores[name]["items"] = task_items(out["samples"].get(name, []), scores[name]["metric"],
                                            scores[name]["value"], scores[name]["filter"])
     return scores
+
+
+def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path,
+                   items: dict[str, list[int]] | None = None) -> dict[str, dict]:
+    """Every task of `params.tasks` scored through lm-eval's `hf` model on `model` in memory (with
+    `items`, racing: see `eval_calls`)."""
+    from lm_eval.models.huggingface import HFLM
+
+    from qad_pipeline.lm_eval_calls import run_calls
+    from qad_pipeline.modeling import input_device
+
+    calls, metric_orders = eval_calls(params, eval_dir, items)
+    # lm-eval takes the model where it is (a spread model's inputs go to its first device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
+    return read_scores(params, run_calls(lm, calls), metric_orders)
 
 
 def _by_settings(params: EvalParams) -> dict[tuple, list[str]]:

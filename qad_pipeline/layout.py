@@ -109,6 +109,11 @@ class Layout:
         return self.root / "artifacts" / "export"
 
     @property
+    def served_eval(self) -> Path:
+        """Each model's per-item values as vLLM served it (the served eval, eval.backend vllm)."""
+        return self.root / "artifacts" / "served_eval"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics"
 
@@ -145,6 +150,10 @@ class Layout:
     @property
     def export_metrics(self) -> Path:
         return self.metrics / "export.json"
+
+    @property
+    def served_metrics(self) -> Path:
+        return self.metrics / "served.json"
 
     @property
     def logs(self) -> Path:

@@ -113,3 +113,7 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
         from qad_pipeline.serving import vllm_python
 
         vllm_python()  # the export's serving check needs it: say so now, not after QAD
+    if serving and not sweep and params.eval.backend == "vllm":
+        from qad_pipeline.serving import check_served_eval_env
+
+        check_served_eval_env(params)  # the served eval needs vLLM and lm-eval there: said now, not after QAD

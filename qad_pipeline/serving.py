@@ -117,6 +117,7 @@ def setup_vllm(env: Path | None = None, build: str = "auto", log=print) -> Path:
     pip = [str(python), "-m", "pip", "install", "--quiet"]
     if python.is_file() and installed_vllm(python) == VLLM_VERSION:
         install_plugin(pip, no_deps=True)  # the plugin as checked out
+        install_lm_eval(pip, python, log)
         log(f"vLLM {VLLM_VERSION} already in {env}; plugin reinstalled ({time.perf_counter() - started:.0f} s)")
         return env
     if not python.is_file():
@@ -128,11 +129,47 @@ def setup_vllm(env: Path | None = None, build: str = "auto", log=print) -> Path:
     if build == "cpu":
         subprocess.run([str(env / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_ONLY_WHEELS],
                        check=True)
+    install_lm_eval(pip, python, log)
     version = installed_vllm(python)
     if version != VLLM_VERSION:
         raise ConfigError(f"{env} has vLLM {version}, the serving check is pinned to {VLLM_VERSION}")
     log(f"vLLM {version} ready in {env} ({time.perf_counter() - started:.0f} s)")
     return env
+
+
+def lm_eval_requirement() -> str:
+    """lm-eval at the project's own version: the served eval runs the same tasks the same way."""
+    from importlib.metadata import version
+
+    return f"lm_eval=={version('lm_eval')}"
+
+
+def installed_lm_eval(python: Path) -> str | None:
+    proc = subprocess.run([str(python), "-c", "from importlib.metadata import version; print(version('lm_eval'))"],
+                          capture_output=True, text=True)
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def check_served_eval_env(params) -> None:
+    """`eval.backend: vllm` needs an export to score and lm-eval in the vLLM environment (a one-line
+    ConfigError naming the fix otherwise)."""
+    if params.export.source == "none":
+        raise ConfigError("eval.backend vllm scores the exported checkpoint, and export.source is none: "
+                          "set export.source (qad, or the PTQ recipe to export) or eval.backend hf")
+    python = vllm_python()
+    wanted = lm_eval_requirement().split("==")[1]
+    if installed_lm_eval(python) != wanted:
+        raise ConfigError(f"eval.backend vllm needs lm-eval {wanted} in the vLLM environment {vllm_env()}: "
+                          "run `qad-pipeline setup-vllm` (it installs it there)")
+
+
+def install_lm_eval(pip: list[str], python: Path, log=print) -> None:
+    """lm-eval in the vLLM environment, for `eval.backend: vllm` (it leaves vLLM's torch and
+    transformers as they are: its own requirements are looser)."""
+    wanted = lm_eval_requirement()
+    if installed_lm_eval(python) != wanted.split("==")[1]:
+        log(f"installing {wanted} beside vLLM (the served eval's harness)")
+        subprocess.run([*pip, wanted], check=True)
 
 
 def install_plugin(pip: list[str], no_deps: bool) -> None:

@@ -77,6 +77,7 @@ class Stage:
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
     cached_teacher: bool = False  # runs only with qad.teacher cached (and selection.policy qad)
     racing: bool = False  # runs only with race.enabled (racing the recipes)
+    served: bool = False  # runs only with eval.backend vllm (scoring the export as vLLM serves it)
     may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
     fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
@@ -273,6 +274,16 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           result="metrics/export.json", schema="qad_pipeline.results.export:ExportMetrics",
           mlflow="qad_pipeline.tracking.children:export_run",
           memory="qad_pipeline.memory_model:export_phases", knobs=("eval.batch_size",)),
+    Stage("served_eval", "tasks.served_eval:main", after=("export",),
+          params=("base_model", "eval"),
+          inputs=(MODEL, EVAL_DATA, "serving", "artifacts/calibration", "artifacts/export", "metrics/export.json",
+                  "metrics/qad.json", "metrics/ptq"),
+          outputs=(Output("metrics/served.json", "metrics"),
+                   Output("artifacts/served_eval", note="per-item values of the BF16 model and the export, served")),
+          gpu=True, after_selection=True, served=True,
+          result="metrics/served.json", schema="qad_pipeline.results.served:ServedEval",
+          mlflow="qad_pipeline.tracking.children:served_eval_run",
+          memory="qad_pipeline.memory_model:final_eval_phases", knobs=("eval.batch_size",)),
 )}
 
 # what `gpu-stage` runs: the recipes too, for a run with a `stage_deployment` and no `recipe_deployment`
@@ -295,13 +306,15 @@ def planned(params: Params, sweep_only: bool = False) -> list[tuple[Stage, str |
             break
         if declared.qad_only and params.selection.policy != "qad":
             continue
-        if declared.name == "export" and params.export.source == "none":
+        if (declared.name == "export" or declared.served) and params.export.source == "none":
             continue
         if declared.sweep and not (sweep_only or with_sweep(params)):
             continue
         if declared.cached_teacher and (sweep_only or params.qad.teacher != "cached"):
             continue
         if declared.racing and not params.race.enabled:
+            continue
+        if declared.served and (sweep_only or params.eval.backend != "vllm"):
             continue
         runs += [(declared, r) for r in declared.items(params)] if declared.per_recipe else [(declared, None)]
     return runs

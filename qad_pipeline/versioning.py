@@ -108,10 +108,12 @@ def _hub_id(path: str, params: Params) -> bool:
 def dvc_stages(params: Params) -> list[Stage]:
     """The stages dvc.yaml holds for these params: every stage, the BPE sweep's only when the params
     ask for it (`stages.with_sweep`), the race only with `race.enabled`, the teacher cache only with
-    `qad.teacher: cached`, as in a `qad-pipeline run` with them."""
+    `qad.teacher: cached`, the served eval only with `eval.backend: vllm`, as in a `qad-pipeline run`
+    with them."""
     return [stage for stage in STAGES.values()
             if (with_sweep(params) or not stage.sweep) and (params.race.enabled or not stage.racing)
-            and (params.qad.teacher == "cached" or not stage.cached_teacher)]
+            and (params.qad.teacher == "cached" or not stage.cached_teacher)
+            and (params.eval.backend == "vllm" or not stage.served)]
 
 
 def _written_by(stages: list[Stage]) -> set[str]:

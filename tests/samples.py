@@ -16,9 +16,23 @@ from qad_pipeline.results.export import ExportMetrics, ServingNotes
 from qad_pipeline.results.qad import LossCurve, QADMetrics, QADTraining
 from qad_pipeline.results.race import RaceCandidate, RaceResult, RaceStop
 from qad_pipeline.results.run import RunSummary
-from qad_pipeline.results.scores import BaselineMetrics, PTQAlias, PTQResult, PTQScores, TaskScore
-from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
-                                            RecoveryTable, SelectionResult)
+from qad_pipeline.results.scores import (
+    BaselineMetrics,
+    PTQAlias,
+    PTQResult,
+    PTQScores,
+    TaskScore,
+)
+from qad_pipeline.results.selection import (
+    RecipeAlias,
+    RecipeFailed,
+    RecipeMetrics,
+    RecipeResult,
+    RecipeRow,
+    RecoveryTable,
+    SelectionResult,
+)
+from qad_pipeline.results.served import ServedEval
 
 FINGERPRINT = "0" * 64
 
@@ -190,4 +204,5 @@ def result_files(layout: Layout, recipes: list[str]) -> list[tuple[Path, Any]]:
         (layout.qad_metrics, QADMetrics),
         (layout.export_metrics, ExportMetrics),
         (layout.export / "serving.json", ServingNotes),
+        (layout.served_metrics, ServedEval),
     ]

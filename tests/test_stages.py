@@ -23,18 +23,21 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     assert list(STAGES) == [s.value for s in Stage]
     # the project's params.yaml does not sweep, race or cache the teacher: none of those stages, and
     # nothing waits for their files
-    assert list(stages) == [name for name, s in STAGES.items() if not s.sweep and not s.racing and not s.cached_teacher]
+    optional = {n for n, s in STAGES.items() if s.sweep or s.racing or s.cached_teacher or s.served}
+    assert list(stages) == [name for name in STAGES if name not in optional]
     deps = {dep for stage in stages.values() for dep in stage.get("do", stage)["deps"]}
     assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json", "artifacts/teacher_cache"}
     swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee", "qad.teacher": "cached"})))
     swept = swept["stages"]
-    assert list(swept) == [n for n, s in STAGES.items() if not s.racing]
+    assert list(swept) == [n for n, s in STAGES.items() if not s.racing and not s.served]
     assert "metrics/bpe_sweep.json" in swept["selection"]["deps"] and "artifacts/teacher_cache" in swept["qad"]["deps"]
     assert not deps & {"artifacts/race", "metrics/race.json"} and "race" in stages["ptq"]["do"]["params"]
     raced = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"race.enabled": True})))["stages"]
-    assert list(raced) == [n for n, s in STAGES.items() if not s.sweep and not s.cached_teacher]
+    assert list(raced) == [n for n, s in STAGES.items() if not s.sweep and not s.cached_teacher and not s.served]
     assert {"metrics/race.json", "artifacts/race"} <= set(raced["selection"]["deps"])
     assert raced["race"]["outs"] == [{"artifacts/race": {"persist": True}}]  # DVC keeps the scored items
+    served = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"eval.backend": "vllm"})))["stages"]
+    assert list(served)[-2:] == ["export", "served_eval"] and "artifacts/export" in served["served_eval"]["deps"]
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
@@ -140,10 +143,11 @@ def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its
     """A field added to the export's file re-runs the export, not calibration, the baseline or PTQ."""
     users = {module: {name for name, s in STAGES.items() if module in code_modules(s.module)}
              for module in ("qad_pipeline.results.export", "qad_pipeline.results.data", "qad_pipeline.results.qad")}
-    assert users["qad_pipeline.results.export"] == {"export"}
+    # the served eval reads the export's file (its serving check) and the final eval's (the in-memory recovery)
+    assert users["qad_pipeline.results.export"] == {"export", "served_eval"}
     # QAD and the teacher cache read the calibration manifest (for the training windows)
     assert users["qad_pipeline.results.data"] == {"calibration", "qad", "teacher_cache"}
-    assert users["qad_pipeline.results.qad"] == {"qad", "final_eval"}
+    assert users["qad_pipeline.results.qad"] == {"qad", "final_eval", "served_eval"}
 
 
 def card_run(child, result, params) -> None:
@@ -205,7 +209,8 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
 
     written = dict(result_files(Layout(tmp_path), []))
     declared = {name: s for name, s in STAGES.items() if s.result}
-    assert set(declared) == {"calibration", "baseline", "race", "selection", "qad", "final_eval", "export"}
+    assert set(declared) == {"calibration", "baseline", "race", "selection", "qad", "final_eval", "export",
+                             "served_eval"}
     for s in declared.values():
         assert written[tmp_path / s.result] is load_reference(s.schema), s.name
         assert s.mlflow and callable(load_reference(s.mlflow))

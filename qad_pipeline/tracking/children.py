@@ -23,6 +23,7 @@ from qad_pipeline.results.qad import QADMetrics, QADTraining
 from qad_pipeline.results.race import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
+from qad_pipeline.results.served import ServedEval
 from qad_pipeline.results.sweep import BPESweep
 from qad_pipeline.stages import STAGES, load_reference, with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
@@ -191,6 +192,17 @@ def export_run(child: ChildRun, e: ExportMetrics, params: Params) -> None:
     if not e.passed:
         failed = [f"{n}: {c.get('problems') or 'failed'}" for n, c in e.checks.items() if not c.get("passed")]
         child.tags[ERROR] = "export verification failed: " + "; ".join(failed)
+
+
+def served_eval_run(child: ChildRun, m: ServedEval, params: Params) -> None:
+    child.tags = {"backend": m.backend, "ran": m.ran, **({"why_not": m.why_not} if m.why_not else {})}
+    if not m.ran:
+        return
+    child.metrics = {**task_metrics(m.tasks), **pick(m, "median_recovery"),
+                     **ci_metrics(m.median_recovery_ci, "median_recovery")}
+    if m.in_memory is not None:
+        child.metrics["in_memory_median_recovery"] = m.in_memory.median_recovery
+        child.tags["intervals_overlap"] = m.agree
 
 
 def result_file(layout: Layout, stage: str) -> Path:
