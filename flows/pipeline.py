@@ -1,7 +1,7 @@
 """The `qad-pipeline` Prefect flow: `qad-pipeline run` (locally) or `prefect deployment run qad-pipeline/...`.
 
     calibration ── baseline (BF16 eval + reference) ── ptq × 5 recipes, in parallel ── selection
-                                                          ── qad ── final_eval ── export
+                                                          ── qad ── final_eval ── export ── (served_eval)
 
 With `selection.policy: ptq_final` (PTQ is the last step) the selected PTQ recipe goes straight
 to the export, through the same checks; when no recipe qualifies the flow ends at selection, and

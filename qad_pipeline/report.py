@@ -20,7 +20,14 @@ from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.qad import QADMetrics
 from qad_pipeline.results.run import RunSummary
 from qad_pipeline.results.scores import BaselineMetrics
-from qad_pipeline.results.selection import RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow, SelectionResult
+from qad_pipeline.results.selection import (
+    RecipeFailed,
+    RecipeMetrics,
+    RecipeResult,
+    RecipeRow,
+    SelectionResult,
+)
+from qad_pipeline.results.served import ServedEval
 from qad_pipeline.results.sweep import BPESweep
 
 SELECTED_MARK = "★ selected"
@@ -132,6 +139,7 @@ def read_summary(layout: Layout, params, **run: Any) -> RunSummary:
                       else None,
                       qad=read_result(layout.qad_metrics, QADMetrics, missing_ok=True),
                       export=read_result(layout.export_metrics, ExportMetrics, missing_ok=True),
+                      served=read_result(layout.served_metrics, ServedEval, missing_ok=True),
                       root=str(layout.root), **run)
 
 
@@ -251,7 +259,26 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
                   (("Blackwell", serving.blackwell), ("Hopper", serving.hopper), ("Serve with vLLM", serving.vllm),
                    ("Serve with SGLang", serving.sglang), ("Serve with TensorRT-LLM", serving.tensorrt_llm))),
                 ""]
+    if summary.served is not None:
+        out += [*heading("Served (vLLM)"), *_served_lines(summary.served, table)]
     return out
+
+
+def _served_lines(s: ServedEval, table) -> list[str]:
+    """The export's recovery as vLLM serves it, beside the in-memory one (or why it did not run)."""
+    if not s.ran:
+        return [f"Not scored through vLLM; the recovery above is the in-memory one: {_one_line(s.why_not)}", ""]
+    kv = s.served.get("export", {}).get("kv_cache_fallback")
+    mem = s.in_memory
+    line = (f"The exported checkpoint served by vLLM: median recovery {100 * s.median_recovery:.2f} % "
+            f"(CI {_interval(s.median_recovery_ci)} %) against the BF16 model served by vLLM"
+            + (f"; in memory ({mem.stage}) {100 * mem.median_recovery:.2f} % (CI {_interval(mem.median_recovery_ci)} %)"
+               f": the intervals {'overlap' if s.agree else 'do NOT overlap'}" if mem else "")
+            + (f". KV cache served in BF16 here: {kv}" if kv else "") + ".")
+    rows = [{"task": r["task"], "in-memory rec. %": _pct(r.get("in_memory_recovery")),
+             "served rec. %": _pct(r.get("served_recovery")), "served CI %": _interval(r.get("served_recovery_ci"))}
+            for r in s.table]
+    return [line, "", *table(rows)]
 
 
 def _join(lines: list[str]) -> str:

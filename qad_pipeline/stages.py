@@ -1,6 +1,6 @@
 """The pipeline's stages, each declared once: `qad-pipeline dvc-yaml` writes dvc.yaml from here.
 
-    calibration ── baseline ── ptq × recipes ──────────────────────── (race) ── selection ── qad ── final_eval ── export
+    calibration ── baseline ── ptq × recipes ──────────────────────── (race) ── selection ── qad ── final_eval ── export ── (served_eval)
                ├── sweep_search ── sweep × budgets ── bpe_sweep ──┘   (the BPE sweep and the race, when asked for)
                └── teacher_cache ───────────────────────────────────────────────┘ (qad.teacher: cached)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from qad_pipeline.results.base import Strict
 from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.qad import QADMetrics
 from qad_pipeline.results.selection import SelectionResult
+from qad_pipeline.results.served import ServedEval
 from qad_pipeline.results.sweep import BPESweep
 
 
@@ -36,6 +36,7 @@ class RunSummary(Strict):
     root: str | None = None
     qad: QADMetrics | None = None
     export: ExportMetrics | None = None
+    served: ServedEval | None = None  # with eval.backend vllm: the export scored as vLLM serves it
     sweep: BPESweep | None = None  # when the run swept first (selection.sweep set)
     plots: list[str] = []
     mlflow: dict[str, Any] = {}  # flows/pipeline.py: track: uri, run id, model version; or error
