@@ -21,9 +21,10 @@ peak (`targets.GPUS`) times a model-FLOPs utilisation: EVAL_MFU for forwards (ca
 evaluation), TRAIN_MFU for QAD, on its qad.num_gpus x qad.num_nodes GPUs at once (qad.offload's
 host-side optimizer step is not modelled). A recipe spread over several GPUs
 by `device_map: auto` runs them one after another (accelerate's pipeline): one GPU's throughput.
-Tokens: the calibration samples (PTQ), the evaluation's perplexity/KL windows and the project's
-lm-eval tasks (cloze: one request per item, continuation: four, each LM_EVAL_PROJECT_TOKENS);
-tasks from lm-eval's registry are NOT counted (their size is not known offline): the plan says so.
+Tokens: the calibration samples (PTQ), and each evaluation's perplexity/KL windows and lm-eval
+tokens (`qad_pipeline.eval_costs`: the project's tasks, the standard suite's estimated tokens; any
+other registry task is not counted, the plan says so). With racing a PTQ recipe evaluates round 1's
+items and the race stage is priced at its worst case (every recipe finishes every round).
 The export is bounded by the disk: twice its bytes (written, read back) at DISK_BYTES_PER_S.
 Model Optimizer's MSE / four-over-six scale searches and AutoQuantize's scoring are not counted.
 These MFUs and the disk speed are assumptions, not measurements: nothing here has run on a GPU.
@@ -31,33 +32,32 @@ These MFUs and the disk speed are assumptions, not measurements: nothing here ha
 
 from __future__ import annotations
 
-from qad_pipeline.config import Params, resolve
-from qad_pipeline.memory_model import DTYPE_BYTES, LM_EVAL_PROJECT_TOKENS, ModelShape, static_block_scales
+from qad_pipeline.config import Params
+from qad_pipeline.eval_costs import EvalCost, stage_cost, summary
+from qad_pipeline.memory_model import DTYPE_BYTES, ModelShape, model_shape, static_block_scales
 
 EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
 TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
 DISK_BYTES_PER_S = 2e9         # a local NVMe or a parallel filesystem (assumed)
-CONTINUATION_CHOICES = 4       # heldout_continuation: the true continuation and three swapped ones
 
 
-def _eval_tokens(params: Params) -> int:
-    """Tokens one evaluation runs through the model, the project's own tasks only."""
-    ev = params.eval
-    tokens = ev.ppl_samples * ev.seq_len
-    ours = resolve(ev.task_dir)
-    items = {"heldout_cloze": ev.num_cloze, "heldout_continuation": ev.num_continuation * CONTINUATION_CHOICES}
-    for task in ev.tasks:
-        if (ours / f"{task}.yaml").is_file() and task in items:
-            count = items[task] if ev.limit is None else min(items[task], int(ev.limit) * (
-                CONTINUATION_CHOICES if task == "heldout_continuation" else 1))
-            tokens += count * LM_EVAL_PROJECT_TOKENS
-    return tokens
+def eval_seconds(cost: EvalCost | None, shape: ModelShape, bf16_flops: float | None) -> float | None:
+    """Estimated seconds of one GPU running `cost`'s tokens (None: no GPU to estimate for)."""
+    if bf16_flops is None or cost is None:
+        return None if bf16_flops is None else 0.0
+    return 2 * shape.active_matrix_params * cost.total_tokens / (bf16_flops * EVAL_MFU)
 
 
-def uncounted_tasks(params: Params) -> list[str]:
-    """The eval tasks whose cost the plan leaves out (lm-eval's registry: unknown offline)."""
-    ours = resolve(params.eval.task_dir)
-    return [t for t in params.eval.tasks if not (ours / f"{t}.yaml").is_file()]
+def eval_lines(estimates: list, params: Params, bf16_flops: float | None) -> list[str]:
+    """The plan's lines on evaluation (`eval_costs.summary`): each evaluating stage process of
+    `estimates` (the plan's), its GPU-hours of evaluation its seconds times the GPUs it holds."""
+    shape, rows = model_shape(params.base_model), []
+    for est in estimates:
+        cost = stage_cost(est.stage, params)
+        if cost is not None:
+            seconds = eval_seconds(cost, shape, bf16_flops)
+            rows.append((est.stage, cost, None if seconds is None else seconds * max(1, len(est.gpus)) / 3600))
+    return summary(params, rows)
 
 
 def disk_bytes(stage: str, params: Params, shape: ModelShape) -> int:
@@ -96,12 +96,12 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
         return None
     forward = 2 * shape.active_matrix_params  # FLOPs per token
     per_gpu_eval = bf16_flops * EVAL_MFU
-    if name in ("baseline", "final_eval"):
-        return forward * _eval_tokens(params) / per_gpu_eval
-    if name in ("ptq", "sweep", "sweep_search"):
+    evaluation = eval_seconds(stage_cost(stage, params), shape, bf16_flops)
+    if name in ("baseline", "final_eval", "race"):  # the race: its worst case (every recipe finishes)
+        return evaluation
+    if name in ("ptq", "sweep", "sweep_search"):  # with racing, a recipe's round 1
         calib = params.calibration.num_samples * params.calibration.seq_len
-        evaluation = _eval_tokens(params) if name != "sweep_search" else 0
-        return forward * (calib + evaluation) / per_gpu_eval
+        return forward * calib / per_gpu_eval + evaluation
     q = params.qad
     tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
     if name == "qad":  # the teacher's forward, the student's forward and backward; 3 without the teacher

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from qad_pipeline import costs, gpus
+from qad_pipeline import costs, eval_costs, gpus
 from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
@@ -44,6 +44,7 @@ class StageEstimate:
     gpus: tuple[str, ...] = ()  # the GPUs it gets (its CUDA_VISIBLE_DEVICES: gpus.layout; qad: all its ranks')
     disk_bytes: int = 0  # what it writes under the out-root, at its peak (qad_pipeline.costs)
     seconds: float | None = None  # one process's estimated wall time (None: no GPU model to estimate for)
+    evaluation: dict | None = None  # what it evaluates: requests, tokens, window tokens (qad_pipeline.eval_costs)
 
     @property
     def host_total(self) -> int:
@@ -334,6 +335,7 @@ def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) 
         est = estimate(stage, params, cap, shape)
         est.disk_bytes = costs.disk_bytes(stage, params, shape)
         est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops)
+        est.evaluation = (cost := eval_costs.stage_cost(stage, params)) and cost.as_dict()
         est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
         est.gpus = placed.get(stage, ())
         why = _why_not(est, cap, params)
@@ -386,9 +388,10 @@ def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None =
     lines.append(f"disk under the out-root: at most {sum(e.disk_bytes for e in estimates) / GiB:,.1f} GiB "
                  "(every stage's peak, summed)")
     total = run_seconds(estimates)
+    left_out = eval_costs.uncounted_tasks(params) if params is not None else []
     if total is not None:
-        left_out = costs.uncounted_tasks(params) if params is not None else []
         lines.append(f"time: ~{time_text(total)} along the DAG (assumed MFU {costs.EVAL_MFU:.0%} forward, "
                      f"{costs.TRAIN_MFU:.0%} QAD; see qad_pipeline/costs.py)"
                      + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
+    lines += costs.eval_lines(estimates, params, cap.bf16_flops) if params is not None else []
     return "\n".join(lines)

@@ -85,9 +85,14 @@ def round_ids(baseline_items: dict, fractions: list[float], seed: int) -> list[d
         ids = list(items["ids"])
         order = np.random.default_rng([seed, zlib.crc32(task.encode())]).permutation(len(ids))
         for r, fraction in enumerate(fractions):
-            n = min(len(ids), max(2, int(np.ceil(fraction * len(ids) - 1e-9))))
-            rounds[r][task] = sorted(ids[i] for i in order[:n])
+            rounds[r][task] = sorted(ids[i] for i in order[:slice_size(len(ids), fraction)])
     return rounds
+
+
+def slice_size(n: int, fraction: float) -> int:
+    """How many of a task's `n` items a round at `fraction` scores: ceil(fraction * n), at least two
+    (a bootstrap needs two), at most n (the plan's racing budget counts with it too)."""
+    return min(n, max(2, int(np.ceil(fraction * n - 1e-9))))
 
 
 def restrict(items: dict, ids: dict[str, list[int]]) -> dict:

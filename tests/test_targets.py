@@ -53,7 +53,9 @@ def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_t
     assert rows["qad"]["disk_bytes"] > 12 * 2 * 8e9
     assert rows["qad"]["seconds"] > rows[recipes[0]]["seconds"] > 0 and rows["calibration"]["seconds"] == 0
     text = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B)]).output
-    assert "usable (target 8xH100-80GB)" in text and "not counted: lm-eval tasks mmlu, gsm8k" in text
+    assert "usable (target 8xH100-80GB)" in text and "not counted" not in text  # the standard suite is priced
+    assert rows["baseline"]["evaluation"]["requests"] == 104_877 and rows["qad"]["evaluation"] is None
+    assert "  final_eval" in text and "104,877 requests" in text
 
 
 def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():
