@@ -97,7 +97,8 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
     forward = 2 * shape.active_matrix_params  # FLOPs per token
     per_gpu_eval = bf16_flops * EVAL_MFU
     evaluation = eval_seconds(stage_cost(stage, params), shape, bf16_flops)
-    if name in ("baseline", "final_eval", "race"):  # the race: its worst case (every recipe finishes)
+    # the race: its worst case (every recipe finishes); the served eval: the BF16 model and the export
+    if name in ("baseline", "final_eval", "race", "served_eval"):
         return evaluation
     if name in ("ptq", "sweep", "sweep_search"):  # with racing, a recipe's round 1
         calib = params.calibration.num_samples * params.calibration.seq_len

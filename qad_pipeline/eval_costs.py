@@ -213,6 +213,10 @@ def stage_cost(stage: str, params: Params) -> EvalCost | None:
         cost = evaluation(params, first)
         cost.note = f"round 1: {first:.0%} of each raced task's items"
         return cost
+    if name == "served_eval":  # eval.backend vllm: the BF16 model and the export, each in full, through vLLM
+        cost = evaluation(params).times(2)
+        cost.note = "the BF16 model and the export, through vLLM"
+        return cost
     if name == "race":  # the later rounds, of every recipe at worst, of one at best
         later = evaluation(params) - evaluation(params, first)
         cost = later.times(len(params.ptq.recipes))

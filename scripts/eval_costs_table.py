@@ -61,8 +61,9 @@ def _cells(runs: list[tuple[EvalCost, float]]) -> list[str]:
 def stage_table() -> list[str]:
     full, raced = _stages(False), _stages(True)
     rows = []
-    for name in ["baseline", "ptq", "race", "final_eval"]:
-        label = {"ptq": f"ptq ({len(full['ptq'])} recipes)", "race": "race: worst case / best case"}.get(name, name)
+    for name in ["baseline", "ptq", "race", "final_eval", "served_eval"]:
+        label = {"ptq": f"ptq ({len(full['ptq'])} recipes)", "race": "race: worst case / best case",
+                 "served_eval": "served_eval (BF16 + export, vLLM)"}.get(name, name)
         both = zip(_cells(raced["race"]), _cells(raced["race_best"])) if name == "race" else None
         rows.append([label, *(_cells(full[name]) if name in full else ["-"] * 4),
                      *([f"{a} / {b}" for a, b in both] if both else _cells(raced[name]))])
