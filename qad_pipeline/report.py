@@ -275,8 +275,10 @@ def _served_lines(s: ServedEval, table) -> list[str]:
             + (f"; in memory ({mem.stage}) {100 * mem.median_recovery:.2f} % (CI {_interval(mem.median_recovery_ci)} %)"
                f": the intervals {'overlap' if s.agree else 'do NOT overlap'}" if mem else "")
             + (f". KV cache served in BF16 here: {kv}" if kv else "") + ".")
+    overlap = {True: "yes", False: "NO", None: ""}
     rows = [{"task": r["task"], "in-memory rec. %": _pct(r.get("in_memory_recovery")),
-             "served rec. %": _pct(r.get("served_recovery")), "served CI %": _interval(r.get("served_recovery_ci"))}
+             "in-memory CI %": _interval(r.get("in_memory_recovery_ci")), "served rec. %": _pct(r.get("served_recovery")),
+             "served CI %": _interval(r.get("served_recovery_ci")), "overlap": overlap[r.get("intervals_overlap")]}
             for r in s.table]
     return [line, "", *table(rows)]
 

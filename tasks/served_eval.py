@@ -40,7 +40,8 @@ def in_memory(layout: Layout, source: str) -> InMemory | None:
     if m is None:
         return None
     return InMemory(stage=stage, median_recovery=m.median_recovery, median_recovery_ci=m.median_recovery_ci,
-                    tasks={t: s.recovery for t, s in m.tasks.items()})
+                    tasks={t: s.recovery for t, s in m.tasks.items()},
+                    tasks_ci={t: s.recovery_ci for t, s in m.tasks.items()})
 
 
 def overlap(a, b) -> bool | None:
@@ -52,9 +53,11 @@ def comparison(served: dict, memory: InMemory | None) -> list[dict]:
     whether the intervals overlap."""
     rows = []
     for task, score in served["tasks"].items():
-        mem = memory.tasks.get(task) if memory else None
-        rows.append({"task": task, "in_memory_recovery": mem, "served_recovery": score.get("recovery"),
-                     "served_recovery_ci": score.get("recovery_ci")})
+        mem_ci = memory.tasks_ci.get(task) if memory else None
+        rows.append({"task": task, "in_memory_recovery": memory.tasks.get(task) if memory else None,
+                     "in_memory_recovery_ci": mem_ci, "served_recovery": score.get("recovery"),
+                     "served_recovery_ci": score.get("recovery_ci"),
+                     "intervals_overlap": overlap(mem_ci, score.get("recovery_ci"))})
     rows.append({"task": "median", "in_memory_recovery": memory.median_recovery if memory else None,
                  "in_memory_recovery_ci": memory.median_recovery_ci if memory else None,
                  "served_recovery": served["median_recovery"], "served_recovery_ci": served["median_recovery_ci"],

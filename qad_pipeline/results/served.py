@@ -15,6 +15,7 @@ class InMemory(Strict):
     median_recovery: float
     median_recovery_ci: tuple[float, float] | None
     tasks: dict[str, float | None]  # each task's recovery
+    tasks_ci: dict[str, tuple[float, float] | None] = {}  # and its interval
 
 
 class ServedEval(Strict):  # metrics/served.json
