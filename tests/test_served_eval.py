@@ -8,6 +8,7 @@ from qad_pipeline.config import ConfigError, load_params
 from qad_pipeline.layout import Layout
 from qad_pipeline.report import read_summary, report_text
 from qad_pipeline.results.base import write_result
+from qad_pipeline.tracking.children import ChildRun, served_eval_run
 from tasks import served_eval as stage
 from tests import samples
 
@@ -60,6 +61,10 @@ def test_the_served_recovery_is_the_export_over_the_served_bf16_beside_the_in_me
     assert (layout.served_eval / "export_items.json").is_file() and layout.served_metrics.is_file()
     text = report_text(read_summary(layout, params))
     assert "The exported checkpoint served by vLLM: median recovery" in text and "in memory (final_eval) 92.50 %" in text
+    child = ChildRun("served_eval", "served_eval", 0, 1)
+    served_eval_run(child, result, params)  # its MLflow run
+    assert child.metrics["median_recovery"] == result.median_recovery and child.metrics["in_memory_median_recovery"] == 0.925
+    assert child.metrics["recovery.perplexity"] == result.tasks["perplexity"].recovery and child.tags["ran"] is True
 
 
 def test_an_export_vllm_cannot_run_here_keeps_the_in_memory_recovery_and_says_why(run, monkeypatch):
