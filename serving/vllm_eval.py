@@ -9,7 +9,7 @@ and the negative log-likelihood of each held-out window from vLLM's prompt log-p
 REQUEST: {"calls": [simple_evaluate's arguments, ...], "windows": [[token ids], ...],
           "batch_size": B, "max_model_len": N | null}
 OUT:     {"vllm_version", "lm_eval": {"results", "higher_is_better", "samples"}, "window_nll": [...],
-          "quantization", "kv_cache_dtype", "kv_cache_fallback": str | null, "seconds"}
+          "quantization", "kv_cache_dtype", "kv_cache_fallback": str | null, "tensor_parallel_size", "seconds"}
 
 A KV-cache dtype that vLLM's CPU attention cannot hold (NVFP4; FP8 without AVX-512 or AMX) is
 served in BF16, as the serving check does (`vllm_check.cpu_kv_cache_limit`), and OUT says so.
@@ -66,6 +66,19 @@ def answer_for_the_cpu_wheel() -> None:
     metadata.version = either
 
 
+def tensor_parallel(heads: int) -> int:
+    """vLLM's tensor-parallel size on the GPUs this process sees: the largest power of two at most
+    their number that divides the attention heads (a BF16 70B model needs more than one 80 GB GPU);
+    1 on a CPU. Not run here: this project's machines have no GPU with vLLM."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    size = 1
+    while size * 2 <= gpus and heads % (size * 2) == 0:
+        size *= 2
+    return size
+
+
 def plain(value):
     """A numpy value or array (in lm-eval's logged samples) as JSON; anything else as its text."""
     return value.tolist() if hasattr(value, "tolist") else str(value)
@@ -81,9 +94,11 @@ def main() -> int:
     folder, request_file, out_file = (Path(a) for a in sys.argv[1:4])
     request = json.loads(request_file.read_text())
     started = time.perf_counter()
-    stored_kv = resolve_kv_cache_dtype_string("auto", ModelConfig(model=str(folder), dtype="bfloat16"))
+    model_config = ModelConfig(model=str(folder), dtype="bfloat16")
+    stored_kv = resolve_kv_cache_dtype_string("auto", model_config)
     fallback = cpu_kv_cache_limit(stored_kv)
     settings = {"kv_cache_dtype": "bfloat16"} if fallback else {}
+    settings["tensor_parallel_size"] = tensor_parallel(model_config.hf_text_config.num_attention_heads)
     lm = VLLM(pretrained=str(folder), dtype="bfloat16", batch_size=request["batch_size"],
               max_model_len=request.get("max_model_len"), seed=0, enforce_eager=True, **settings)
     results = load_calls_module().run_calls(lm, request["calls"])
@@ -92,6 +107,7 @@ def main() -> int:
     out = {"vllm_version": vllm.__version__, "lm_eval": results, "window_nll": nll,
            "quantization": config.model_config.quantization, "kv_cache_dtype": config.cache_config.cache_dtype,
            "stored_kv_cache_dtype": stored_kv, "kv_cache_fallback": fallback,
+           "tensor_parallel_size": settings["tensor_parallel_size"],
            "seconds": round(time.perf_counter() - started, 1)}
     Path(out_file).write_text(json.dumps(out, default=plain))
     return 0
