@@ -34,6 +34,18 @@ def test_tracking_uri_default_is_sqlite_in_root_and_env_wins(tmp_path, monkeypat
     assert tracking.tracking_uri(tmp_path) == "http://mlflow.example:5000"
 
 
+def test_the_commit_comes_from_git_else_from_the_images_build_argument(tmp_path, monkeypatch):
+    from qad_pipeline import config
+    from qad_pipeline.tracking.store import git_commit
+
+    assert len(git_commit().removesuffix("-dirty")) == 40  # this checkout
+    monkeypatch.setattr(config, "project_root", lambda: tmp_path)  # no .git, as in the image
+    monkeypatch.setenv("QAD_GIT_COMMIT", "a" * 40)
+    assert git_commit() == "a" * 40
+    monkeypatch.setenv("QAD_GIT_COMMIT", "unknown")  # built without --build-arg GIT_COMMIT
+    assert git_commit() is None
+
+
 def test_check_reachable_fails_fast_naming_the_uri(tmp_path):
     started = time.monotonic()
     with pytest.raises(ConfigError, match=r"http://127\.0\.0\.1:9"):

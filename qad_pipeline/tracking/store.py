@@ -54,7 +54,8 @@ def git_commit() -> str | None:
     """The project's current git commit (with "-dirty" when it has uncommitted changes), if any.
 
     Not MLflow's git context: that reads the repository of the entry script (`sys.argv[0]`) and
-    never says "-dirty".
+    never says "-dirty". Without a repository (the image has no `.git`): `$QAD_GIT_COMMIT`, which
+    the image sets from its `GIT_COMMIT` build argument (`unknown`: none).
     """
     import subprocess
 
@@ -68,7 +69,8 @@ def git_commit() -> str | None:
         commit = git("rev-parse", "HEAD")
         return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
-        return None
+        built = os.environ.get("QAD_GIT_COMMIT", "").strip()
+        return built if built and built != "unknown" else None
 
 
 def tracking_uri(root: Path) -> str:
