@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from qad_pipeline import eval_groups, evaluation
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, load_params, resolve
 from qad_pipeline.eval_groups import ITEM_STRIDE as S
 from qad_pipeline.lm_eval_calls import registry_for
 from qad_pipeline.recovery import score_recovery
@@ -141,3 +141,16 @@ def test_racing_a_group_scores_exactly_the_requested_docs_in_their_subtasks(runs
     assert score["items"]["values"] == [full[i] for i in RACED]
     assert score["value"] == pytest.approx(np.mean(score["items"]["values"]), abs=1e-12)
     assert set(score["subtasks"]) == set(LEAVES)
+
+
+@pytest.mark.slow  # indexes lm-eval's registry (~9 s); reads no data
+def test_lm_evals_mmlu_is_read_as_its_57_subjects_and_raced_by_them(tmp_path):
+    from qad_pipeline.eval_costs import STANDARD
+
+    params = load_params(PROJECT_PARAMS, ["eval.tasks=[mmlu]", "eval.task_settings={}"])
+    evaluation.check_tasks(params.eval)
+    subjects = evaluation._leaves("mmlu", resolve(params.eval.task_dir))
+    assert subjects == sorted(STANDARD["mmlu"].items)  # the plan's 57 subjects, through mmlu's groups and tags
+    calls, _ = evaluation.eval_calls(params.eval, tmp_path, {"mmlu": [5, 3 * S + 7]})
+    assert (calls[0]["tasks"], calls[0]["samples"]) == (["mmlu_abstract_algebra", "mmlu_business_ethics"],
+                                                        {"mmlu_abstract_algebra": [5], "mmlu_business_ethics": [7]})
