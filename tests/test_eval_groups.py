@@ -11,7 +11,13 @@ import pytest
 import yaml
 
 from qad_pipeline import eval_groups, evaluation
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, load_params, resolve
+from qad_pipeline.config import (
+    PROJECT_PARAMS,
+    PROJECT_ROOT,
+    ConfigError,
+    load_params,
+    resolve,
+)
 from qad_pipeline.eval_groups import ITEM_STRIDE as S
 from qad_pipeline.lm_eval_calls import registry_for
 from qad_pipeline.recovery import score_recovery
