@@ -12,9 +12,10 @@ records each leaf's value (`subtasks`) and, from the leaves' logged samples, per
 (`recovery.item_aggregation`): a size-weighted mean (MMLU's, at every level) does; a macro mean over
 leaves of different sizes does not, and such a group has no items: one number, no interval, not raced.
 
-Racing a group (`raced_group`): lm-eval runs an inline group of the same name over the leaves that
-have ids, with the group's own `aggregate_metric_list`, and `samples` keyed by those leaves, so
-only the docs asked for are scored and lm-eval still aggregates them (size-weighted over those docs).
+Racing a group (`raced_group`): lm-eval runs the leaves that have ids, by name, with `samples` keyed
+by them, so only the docs asked for are scored; `aggregate` then aggregates them as lm-eval
+aggregates the group (its `aggregate_metric_list`, lm-eval's `aggregate_subtask_metrics`). (An
+inline group config of lm-eval 0.4.13 hands its own keys down to its tasks, so it cannot be used.)
 
 The project reads groups whose members are named (tasks, groups, tags) and that set no task settings
 for them; a group of another shape is scored as one number, and `leaves` says why in one line.

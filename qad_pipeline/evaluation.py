@@ -8,7 +8,8 @@
   `eval.task_settings.<task>` sets its few-shot count, chat template (few-shot as multi-turn),
   generation settings and item limit (tasks with the same settings share one `simple_evaluate`
   call), and the metric and filter that count; without them, the task's first listed metric
-  under its first filter is its score.
+  under its first filter is its score. A task group (lm-eval's `mmlu`, a group YAML in
+  `eval.task_dir`) scores lm-eval's aggregate, with its sub-tasks' values and items (`eval_groups`).
 * perplexity over the held-out token windows (a task whose lower value is better);
 * KL divergence to the BF16 model's next-token distribution, read from the reference that the
   baseline wrote (`qad_pipeline.reference`: top-k log-probs + rest mass, streamed).
