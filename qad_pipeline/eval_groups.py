@@ -136,19 +136,20 @@ def aggregate(name: str, index: dict, results: dict, higher: dict) -> tuple[dict
     group (`Group.aggregate`: over every leaf under it, by each `aggregate_metric_list` entry, with
     lm-eval's `aggregate_subtask_metrics`, weighted by the docs scored when `weight_by_size`)."""
     from lm_eval.api.metrics import aggregate_subtask_metrics
+    from lm_eval.config.group import AggMetricConfig
 
     ran = [leaf for leaf in leaves(name, index) or [] if leaf in results]
     out, better = {}, {}
     for entry in index[name].cfg.get("aggregate_metric_list") or []:
-        metric = entry["metric"]
-        filters = entry.get("filter_list") or sorted({k.split(",", 1)[1] for leaf in ran for k in results[leaf]
-                                                      if k.split(",", 1)[0] == metric and "," in k})
-        for filter_name in [filters] if isinstance(filters, str) else filters:
-            key = f"{metric},{filter_name}"
+        agg = AggMetricConfig(**entry)  # lm-eval's defaults (weight_by_size: true; filters: those reported)
+        filters = agg.filter_list or sorted({k.split(",", 1)[1] for leaf in ran for k in results[leaf]
+                                             if "," in k and k.split(",", 1)[0] == agg.metric})
+        for filter_name in filters:
+            key = f"{agg.metric},{filter_name}"
             have = [leaf for leaf in ran if key in results[leaf]]
             if have:
                 out[key] = aggregate_subtask_metrics([results[leaf][key] for leaf in have],
                                                      [results[leaf].get("sample_len", 0) for leaf in have],
-                                                     entry.get("weight_by_size", False))
-                better[metric] = higher.get(have[0], {}).get(metric, True)
+                                                     agg.weight_by_size)
+                better[agg.metric] = higher.get(have[0], {}).get(agg.metric, True)
     return out, better

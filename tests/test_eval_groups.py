@@ -52,6 +52,23 @@ def test_items_are_kept_only_when_they_reproduce_the_aggregate():
     assert eval_groups.group_items({**per_leaf, "mmlu_local_history": None}, LEAVES, 3 / 9) is None
 
 
+def test_a_raced_group_is_aggregated_as_lm_eval_aggregates_it(tmp_path):
+    results = {"mmlu_local_algebra": {"acc,none": 0.5, "acc_stderr,none": 0.1, "sample_len": 2, "alias": "a"},
+               "mmlu_local_history": {"acc,none": 1.0, "sample_len": 1}}
+    higher = {"mmlu_local_algebra": {"acc": True}}
+    index = eval_groups.task_manager(str(GROUP_DIR), False).task_index
+    assert eval_groups.aggregate("mmlu_local", index, results, higher) == ({"acc,none": 2 / 3}, {"acc": True})
+    # lm-eval's own defaults: weight_by_size true unless the group says otherwise
+    for path in GROUP_DIR.glob("mmlu_local_*.yaml"):
+        (tmp_path / path.name).write_text(path.read_text())
+    for name, agg in [("plain", {"metric": "acc"}), ("macro", {"metric": "acc", "weight_by_size": False})]:
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"group": name, "task": LEAVES,
+                                                               "aggregate_metric_list": [agg]}))
+    index = eval_groups.task_manager(str(tmp_path), False).task_index
+    assert eval_groups.aggregate("plain", index, results, higher)[0] == {"acc,none": 2 / 3}
+    assert eval_groups.aggregate("macro", index, results, higher)[0] == {"acc,none": 0.75}
+
+
 @pytest.mark.parametrize("group, message", [
     ({"task": [{"task": "mmlu_local_algebra", "num_fewshot": 5}]},
      ("member {'num_fewshot': 5, 'task': 'mmlu_local_algebra'} of 'bad_group' is not a task, group or tag that "
