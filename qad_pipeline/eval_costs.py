@@ -27,9 +27,10 @@ pass (its `logits_cache`, on by default): one forward per item, four requests.
 * Any other registry task is not counted (its size is not known offline): the plan names it.
 
 Racing (`race.enabled`): a PTQ recipe scores round 1's items, `racing.slice_size(n, fractions[0])`
-of each task's n (and of the windows); a task without per-item values (a group: MMLU) is scored in
-full in round 1 and never again. The race stage scores the later rounds of the recipes still in
-contention: at worst every recipe finishes (together the same as full evaluation), at best one goes
+of each task's n (a group such as MMLU is one task of all its sub-tasks' items, as
+`qad_pipeline/eval_groups.py` numbers them) and of the windows; a task without per-item values
+(`raced=False`) is scored in full in round 1 and never again. The race stage scores the later
+rounds of the recipes still in contention: at worst every recipe finishes (together the same as full evaluation), at best one goes
 past round 1. The plan prices the race stage at its worst case.
 """
 
@@ -75,12 +76,12 @@ class KnownTask:
     shot_tokens: int  # estimate: one few-shot example, question and answer
     generated: int = 0  # estimate: tokens generated per item (generate_until)
     one_forward: bool = False  # one-token choices: lm-eval's HF model runs one forward per item
-    raced: bool = True  # per-item values under its own name; False (a group): scored in full in round 1
+    raced: bool = True  # it has per-item values (a group: gathered from its sub-tasks); False: scored in full in round 1
 
 
 STANDARD: dict[str, KnownTask] = {
     "mmlu": KnownTask("test", {f"mmlu_{s}": n for s, n in MMLU_TEST.items()}, 4, 0, 140, 125,
-                      one_forward=True, raced=False),
+                      one_forward=True),
     "gsm8k": KnownTask("test", {"gsm8k": 1319}, 1, 5, 65, 155, generated=150),
     "arc_challenge": KnownTask("test", {"arc_challenge": 1172}, 4, 0, 50, 55),
     "hellaswag": KnownTask("validation", {"hellaswag": 10042}, 4, 0, 80, 80),
@@ -104,7 +105,7 @@ class TaskSize:
         total = sum(self.items.values())
         if fraction is None or not self.raced:
             return total, self.requests, self.tokens
-        n = sum(slice_size(k, fraction) for k in self.items.values())
+        n = slice_size(total, fraction)  # a group is sliced as one task (`racing.round_ids`)
         return n, self.requests * n // total, self.tokens * n // total
 
 
@@ -197,7 +198,7 @@ def evaluation(params: Params, fraction: float | None = None) -> EvalCost:
 def round_items(params: Params) -> list[int]:
     """Items one candidate has scored by the end of each of `race.fractions`' rounds, counted as the
     race counts them (`metrics/race.json`): lm-eval items of the raced tasks and perplexity windows,
-    and a task it does not race (a group) in full."""
+    and a task it does not race in full."""
     rounds = [evaluation(params, f) for f in params.race.fractions]
     return [c.items + c.windows for c in rounds]
 

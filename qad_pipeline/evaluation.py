@@ -8,7 +8,8 @@
   `eval.task_settings.<task>` sets its few-shot count, chat template (few-shot as multi-turn),
   generation settings and item limit (tasks with the same settings share one `simple_evaluate`
   call), and the metric and filter that count; without them, the task's first listed metric
-  under its first filter is its score.
+  under its first filter is its score. A task group (lm-eval's `mmlu`, a group YAML in
+  `eval.task_dir`) scores lm-eval's aggregate, with its sub-tasks' values and items (`eval_groups`).
 * perplexity over the held-out token windows (a task whose lower value is better);
 * KL divergence to the BF16 model's next-token distribution, read from the reference that the
   baseline wrote (`qad_pipeline.reference`: top-k log-probs + rest mass, streamed).
@@ -24,14 +25,16 @@ from pathlib import Path
 import torch
 import yaml
 
+from qad_pipeline import eval_groups
 from qad_pipeline.calibration_data import load_ppl_windows
 from qad_pipeline.config import ConfigError, EvalParams, resolve
+from qad_pipeline.eval_groups import is_project_group
 
 
 def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | None:
-    """The project's task YAML, pointed at the held-out jsonl of this run; None if not ours."""
+    """The project's task YAML, pointed at the held-out jsonl of this run; None if not ours (or a group)."""
     path = task_dir / f"{name}.yaml"
-    if not path.is_file():
+    if not path.is_file() or is_project_group(name, task_dir):
         return None
     cfg = yaml.safe_load(path.read_text())
     data_file = eval_dir / f"{name}.jsonl"
@@ -42,14 +45,18 @@ def project_task_config(name: str, task_dir: Path, eval_dir: Path) -> dict | Non
 
 
 def check_tasks(params: EvalParams) -> None:
-    """Every task name is a project task or known to lm-eval (checked before any model loads)."""
+    """Every task name is a project task or group, or known to lm-eval (checked before any model loads)."""
     task_dir = resolve(params.task_dir)
+    for name in params.tasks:
+        if is_project_group(name, task_dir):
+            try:
+                eval_groups.leaves(name, eval_groups.index_for(name, task_dir))
+            except eval_groups.GroupShapeError as err:
+                raise ConfigError(f"{err} ({task_dir / f'{name}.yaml'})") from None
     foreign = [t for t in params.tasks if not (task_dir / f"{t}.yaml").is_file()]
     if not foreign:
         return
-    from lm_eval.tasks import TaskManager
-
-    known = set(TaskManager().all_tasks)
+    known = set(eval_groups.task_manager(str(task_dir), True).all_tasks)
     unknown = [t for t in foreign if t not in known]
     if unknown:
         ours = sorted(p.stem for p in task_dir.glob("*.yaml"))
@@ -88,36 +95,72 @@ def eval_calls(params: EvalParams, eval_dir: Path, items: dict[str, list[int]] |
                ) -> tuple[list[dict], dict[str, list[str]]]:
     """lm-eval's `simple_evaluate` calls for `params.tasks` (`qad_pipeline.lm_eval_calls`: JSON, what
     the vLLM side runs too), and each task's metric order. With `items` (racing): only the tasks it
-    names with ids, on those doc ids, through lm-eval's `samples`; the others in full."""
+    names with ids, on those doc ids, through lm-eval's `samples` (a group's: `eval_groups.raced_group`);
+    the others in full. A call that runs a group of `eval.task_dir` names that folder as `include_path`."""
     task_dir = resolve(params.task_dir)
-    specs, metric_orders = {}, {}
+    specs, metric_orders, samples, local = {}, {}, {}, set()
     names = [n for n in params.tasks if items is None or n not in items or items[n]]
     for name in names:
         cfg = project_task_config(name, task_dir, eval_dir)
         specs[name] = cfg if cfg is not None else name
         metric_orders[name] = [m["metric"] for m in (cfg or {}).get("metric_list", [])]
+        if is_project_group(name, task_dir):
+            local.add(name)
+        if items and name in items:
+            # lm-eval maps a logged sample back to its doc id only through sorted ids (evaluator.py)
+            samples[name] = {name: sorted(items[name])}
+            group_leaves = None if cfg is not None else _leaves(name, task_dir)
+            if group_leaves:  # its leaves that have ids, on those docs (eval_groups.aggregate scores it)
+                specs[name], samples[name] = eval_groups.raced_group(items[name], group_leaves)
     calls = []
     for (fewshot, chat, multiturn, gen, limit), group in _by_settings(params).items():
         group = [n for n in group if n in names]
         if not group:
             continue
-        # lm-eval maps a logged sample back to its doc id only through sorted ids (evaluator.py)
-        samples = {n: sorted(items[n]) for n in group if items and n in items} or None
-        calls.append({"tasks": [specs[n] for n in group], "samples": samples,
-                      "limit": None if samples else limit, "num_fewshot": fewshot, "apply_chat_template": chat,
-                      "fewshot_as_multiturn": multiturn, "gen_kwargs": dict(gen) if gen else None})
+        chosen = {leaf: docs for n in group for leaf, docs in samples.get(n, {}).items()} or None
+        tasks = [t for n in group for t in (specs[n] if isinstance(specs[n], list) else [specs[n]])]
+        call = {"tasks": tasks, "samples": chosen,
+                "limit": None if chosen else limit, "num_fewshot": fewshot, "apply_chat_template": chat,
+                "fewshot_as_multiturn": multiturn, "gen_kwargs": dict(gen) if gen else None}
+        if local.intersection(group):
+            call["include_path"] = str(task_dir)
+        calls.append(call)
     return calls, metric_orders
 
 
+def _leaves(name: str, task_dir: Path) -> list[str] | None:
+    """A group's sorted leaves (None: not a group, or one whose leaves the project cannot name)."""
+    try:
+        return eval_groups.leaves(name, eval_groups.index_for(name, task_dir))
+    except eval_groups.GroupShapeError as err:
+        print(f"eval: {err}; it is scored as one number", flush=True)
+        return None
+
+
 def read_scores(params: EvalParams, out: dict, metric_orders: dict[str, list[str]]) -> dict[str, dict]:
-    """Each task's score (`primary_score`) and per-item values from merged lm-eval results (`run_calls`)."""
+    """Each task's score (`primary_score`) and per-item values from merged lm-eval results (`run_calls`);
+    a group's with its sub-tasks' values and items (`eval_groups`)."""
     scores = {}
     for name, order in metric_orders.items():
-        chosen = params.settings(name)
-        scores[name] = primary_score(name, out["results"][name], out["higher_is_better"].get(name, {}),
-                                     order, chosen.metric, chosen.filter)
-        scores[name]["items"] = task_items(out["samples"].get(name, []), scores[name]["metric"],
-                                           scores[name]["value"], scores[name]["filter"])
+        chosen, task_dir = params.settings(name), resolve(params.task_dir)
+        results, higher = out["results"].get(name), out["higher_is_better"].get(name, {})
+        group_leaves = None
+        if results is None or out.get("group_subtasks", {}).get(name):  # a group (raced: its leaves ran)
+            group_leaves = _leaves(name, task_dir)
+        if results is None and group_leaves:
+            results, higher = eval_groups.aggregate(name, eval_groups.index_for(name, task_dir), out["results"],
+                                                    out["higher_is_better"])
+        score = primary_score(name, results or {}, higher, order, chosen.metric, chosen.filter)
+        if group_leaves:
+            key = f"{score['metric']},{score['filter']}"
+            ran = [leaf for leaf in group_leaves if key in out["results"].get(leaf, {})]
+            score["subtasks"] = {leaf: float(out["results"][leaf][key]) for leaf in ran}
+            per_leaf = {leaf: task_items(out["samples"].get(leaf, []), score["metric"], score["subtasks"][leaf],
+                                         score["filter"]) for leaf in ran}
+            score["items"] = eval_groups.group_items(per_leaf, group_leaves, score["value"])
+        else:
+            score["items"] = task_items(out["samples"].get(name, []), score["metric"], score["value"], score["filter"])
+        scores[name] = score
     return scores
 
 
@@ -133,7 +176,10 @@ def lm_eval_scores(model, tokenizer, params: EvalParams, eval_dir: Path,
     calls, metric_orders = eval_calls(params, eval_dir, items)
     # lm-eval takes the model where it is (a spread model's inputs go to its first device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=params.batch_size, device=str(input_device(model)))
-    return read_scores(params, run_calls(lm, calls), metric_orders)
+    task_dir = resolve(params.task_dir)  # one task index for the calls and the reading of groups
+    registry = eval_groups.task_manager(str(task_dir),
+                                        any(not (task_dir / f"{n}.yaml").is_file() for n in metric_orders))
+    return read_scores(params, run_calls(lm, calls, registry), metric_orders)
 
 
 def _by_settings(params: EvalParams) -> dict[tuple, list[str]]:

@@ -28,7 +28,7 @@ def task_table() -> list[str]:
         known, n = STANDARD[size.task], sum(size.items.values())
         shots = params.eval.settings(size.task).num_fewshot
         rows.append([size.task, known.split, f"{n:,}", str(known.choices), str(known.fewshot if shots is None else shots),
-                     f"{size.requests:,}", count_text(size.tokens), "yes" if size.raced else "no (a group)"])
+                     f"{size.requests:,}", count_text(size.tokens), "yes" if size.raced else "no"])
     return _markdown(["task", "split", "items", "requests per item", "few-shot", "requests", "tokens (est.)", "raced"],
                      rows)
 

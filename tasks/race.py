@@ -104,8 +104,9 @@ def merged_scores(c: racing.Contender, kl: list[tuple[float, int]]) -> PTQScores
     """The contender's PTQ scores with each raced task scored on every item it holds and KL over
     every window it was scored on (windows have the same positions: a window-weighted mean)."""
     scores = racing.on_items(c.scores, c.items)
-    for task in c.items:  # lm-eval's other metrics of a raced task covered round 1's items only
+    for task in c.items:  # lm-eval's other metrics (a group's sub-tasks) of a raced task covered round 1's items only
         scores["tasks"].get(task, {}).pop("all", None)
+        scores["tasks"].get(task, {}).pop("subtasks", None)
     if kl:
         scores["kl_divergence"] = sum(k * n for k, n in kl) / max(1, sum(n for _, n in kl))
     return PTQScores.model_validate(scores)

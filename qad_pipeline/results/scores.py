@@ -19,6 +19,7 @@ class TaskScore(Strict):
     value: float
     higher_is_better: bool
     all: dict[str, float] | None = None  # every numeric metric lm-eval returned, as "metric,filter" (perplexity: none)
+    subtasks: dict[str, float] | None = None  # a group's: each leaf's value of the metric (qad_pipeline/eval_groups.py)
     recovery: float | None = None  # not for a task whose BF16 score is 0
     recovery_ci: tuple[float, float] | None = None
 
