@@ -326,19 +326,22 @@ def test_a_tracking_uri_that_answers_but_is_not_mlflow_is_refused(tmp_path):
     assert f"MLflow tracking server {uri} answers but is not an MLflow tracking server (HTTP 404" in message
 
 
-def test_what_counts_as_an_mlflow_server():
-    for status, body, accepted in [
-        (200, b'{"experiments": [{"experiment_id": "0", "name": "Default"}]}', True),
-        (401, b"", True),  # an authenticating front: MLflow's client brings the credentials
-        (200, b"<html>a web page</html>", False),
-        (500, b"", False),
+def test_what_counts_as_an_mlflow_server(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    for status, body, refused in [
+        (200, b'{"experiments": [{"experiment_id": "0", "name": "Default"}]}', None),
+        (401, b"", "asks for credentials"),  # an authenticating front, and no MLFLOW_TRACKING_* credentials set
+        (200, b"<html>a web page</html>", "is not an MLflow tracking server"),
+        (500, b"", "is not an MLflow tracking server"),
     ]:
         server, uri = http_server(status, body, "application/json")
         try:
-            if accepted:
+            if refused is None:
                 tracking.check_reachable(uri)
             else:
-                with pytest.raises(ConfigError, match="is not an MLflow tracking server"):
+                with pytest.raises(ConfigError, match=refused):
                     tracking.check_reachable(uri)
         finally:
             server.shutdown()

@@ -2,8 +2,8 @@
 every object is valid for Kubernetes 1.32 (kubernetes-validate, strict: no unknown field), and what an
 overlay sets arrives where it is used: the image in every pool's Jobs (through the worker's init
 container, sync_work_pool.py) and nowhere the old one, the namespace on every object and Job, each
-Secret in the pods that need it and no other, GPU Jobs on GPU nodes, and the trial's Prefect server
-keeping its leases on disk."""
+Secret in the pods that need it and no other (the optional MLflow credentials in the flow-run Jobs
+only), GPU Jobs on GPU nodes, and the trial's Prefect server keeping its leases on disk."""
 
 from __future__ import annotations
 
@@ -28,17 +28,22 @@ EXPECTED = {  # what each overlay's kustomization.yaml sets
 }
 POOLS = ("qad-gpu", "qad-control")
 PREFECT_AUTH, HF, OBJECT_STORE, POSTGRES = "qad-prefect-auth", "qad-hf", "qad-object-store", "qad-postgres"
-# Which pods may see which Secret (every container of the pod, init containers included).
+MLFLOW_AUTH = "qad-mlflow-auth"
+# Which pods may see which Secret (every container of the pod, init containers included). The workers
+# and their init containers talk to Prefect only, never to MLflow: no MLflow credentials there.
 SECRETS_OF = {
     "Deployment/prefect-worker-gpu": {PREFECT_AUTH},
     "Deployment/prefect-worker-control": {PREFECT_AUTH},
-    "job/qad-gpu": {HF, OBJECT_STORE, PREFECT_AUTH},  # flow-run Jobs: the hub, DVC's remote, Prefect
-    "job/qad-control": {HF, OBJECT_STORE, PREFECT_AUTH},
+    "job/qad-gpu": {HF, OBJECT_STORE, PREFECT_AUTH, MLFLOW_AUTH},  # flow-run Jobs: the hub, DVC's remote, Prefect, MLflow
+    "job/qad-control": {HF, OBJECT_STORE, PREFECT_AUTH, MLFLOW_AUTH},
     "StatefulSet/postgres": {POSTGRES},
     "StatefulSet/minio": {OBJECT_STORE},  # its root user is the object-store key
     "Deployment/mlflow": {POSTGRES, OBJECT_STORE},
     "Deployment/prefect-server": {POSTGRES, PREFECT_AUTH},
 }
+# Secrets every pod starts without (an MLflow server that checks no credentials): each reference optional.
+OPTIONAL = {MLFLOW_AUTH}
+MLFLOW_AUTH_ENV = {"MLFLOW_TRACKING_USERNAME": "username", "MLFLOW_TRACKING_PASSWORD": "password"}
 SECRET_ENV = re.compile(r"(PASSWORD|TOKEN|SECRET_ACCESS_KEY|ACCESS_KEY_ID|AUTH_STRING)$")
 
 
@@ -67,13 +72,18 @@ def flow_run_job(overlay: str, pool: str) -> dict:
     return job
 
 
-def secrets_used(spec: dict) -> set[str]:
-    names = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+def secret_refs(spec: dict) -> list[tuple[str, dict]]:
+    """(Secret name, the reference) for every volume, envFrom and env entry of the pod naming a Secret."""
+    refs = [(v["secret"]["secretName"], v["secret"]) for v in spec.get("volumes", []) if "secret" in v]
     for container in containers(spec):
-        names |= {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
-        names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
-                  if "secretKeyRef" in e.get("valueFrom", {})}
-    return names
+        refs += [(e["secretRef"]["name"], e["secretRef"]) for e in container.get("envFrom", []) if "secretRef" in e]
+        refs += [(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]) for e in container.get("env", [])
+                 if "secretKeyRef" in e.get("valueFrom", {})]
+    return refs
+
+
+def secrets_used(spec: dict) -> set[str]:
+    return {name for name, _ in secret_refs(spec)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,6 +149,12 @@ def test_secrets_reach_only_the_pods_that_need_them(overlay):
     for name, spec in pods.items():
         assert name in SECRETS_OF, f"{overlay}: {name} is not in this test's table of who gets which Secret"
         assert secrets_used(spec) == SECRETS_OF[name], f"{overlay}: {name} gets {sorted(secrets_used(spec))}"
+        for secret, ref in secret_refs(spec):
+            assert secret not in OPTIONAL or ref.get("optional") is True, f"{overlay}: {name}: {secret} is not optional"
+        if MLFLOW_AUTH in SECRETS_OF[name]:  # as the variables MLflow's client reads (tests/test_tracking_store.py)
+            mlflow_env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for c in containers(spec) for e in c.get("env", [])
+                          if e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == MLFLOW_AUTH}
+            assert mlflow_env == MLFLOW_AUTH_ENV, f"{overlay}: {name}: {mlflow_env}"
         for container in containers(spec):  # a secret's value is never written into a manifest
             for env in container.get("env", []):
                 if SECRET_ENV.search(env["name"]):
@@ -206,7 +222,7 @@ def with_component(tmp_path, component: str) -> tuple[dict, ...]:
 
 def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
     """An overlay with components/gpu-pool-4 (as a user adds it): a third worker and pool whose Jobs
-    request 4 GPUs, with the overlay's image; the other pools keep one."""
+    request 4 GPUs, with the overlay's image and the MLflow credentials' Secret; the other pools keep one."""
     objs = with_component(tmp_path, "gpu-pool-4")
     assert set(workers(objs)) == {"qad-gpu", "qad-control", "qad-gpu-4"}
     job = render_job(pool_template(objs, "qad-gpu-4"))
@@ -216,6 +232,9 @@ def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
     assert job["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     (one,) = render_job(pool_template(objs, "qad-gpu"))["spec"]["template"]["spec"]["containers"]
     assert one["resources"]["limits"][GPU] == "1"
+    # its Jobs get MLflow's credentials like every pool's; its worker does not
+    assert MLFLOW_AUTH in secrets_used(job["spec"]["template"]["spec"])
+    assert secrets_used(workers(objs)["qad-gpu-4"]["spec"]["template"]["spec"]) == SECRETS_OF["Deployment/prefect-worker-gpu"]
 
 
 def test_multinode_qad_component_lets_the_qad_pod_launch_its_trainjob(tmp_path):

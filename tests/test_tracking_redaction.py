@@ -7,7 +7,7 @@ import json
 import pytest
 
 from qad_pipeline import tracking
-from tests.tracking_fakes import AWS_SECRET, HF_TOKEN, logged_store
+from tests.tracking_fakes import AWS_SECRET, HF_TOKEN, MLFLOW_PASSWORD, logged_store
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def logged(tmp_path_factory):
 
 def test_secrets_never_reach_params_tags_or_artifacts(logged):
     client, root = logged["client"], logged["root"]
-    secrets = (HF_TOKEN, AWS_SECRET)
+    secrets = (HF_TOKEN, AWS_SECRET, MLFLOW_PASSWORD)
     exp_id = client.get_run(logged["runs"][0]["run_id"]).info.experiment_id
     runs = client.search_runs([exp_id], max_results=1000)
     assert len(runs) == 2 * 10  # parent + 9 children, twice
@@ -39,7 +39,8 @@ def test_secrets_never_reach_params_tags_or_artifacts(logged):
         assert not any(s in json.dumps([mv.tags, mv.description, mv.source]) for s in secrets)
 
 
-@pytest.mark.parametrize("name", ["HF_TOKEN", "hf_token", "api_token", "MLFLOW_TRACKING_TOKEN", "accessToken",
+@pytest.mark.parametrize("name", ["HF_TOKEN", "hf_token", "api_token", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_PASSWORD",
+                                  "accessToken",
                                   "AWS_SECRET_ACCESS_KEY", "aws_access_key_id", "api_key", "apiKey", "APIKEY",
                                   "db.Password", "passwd", "client_secret", "google_credentials", "GITHUB_TOKEN2"])
 def test_secret_names_are_masked(name):

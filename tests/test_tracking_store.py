@@ -57,6 +57,56 @@ def test_check_reachable_fails_fast_naming_the_uri(tmp_path):
     assert (tmp_path / "sub").is_dir()
 
 
+def test_check_reachable_sends_mlflows_credentials_and_names_a_refusal(tmp_path, monkeypatch):
+    """A server behind basic auth (`mlflow server --app-name basic-auth`, a proxy): the probe sends what
+    MLflow's client sends (MLFLOW_TRACKING_USERNAME/PASSWORD, the variables of the Secret qad-mlflow-auth
+    on Kubernetes), and says in one line when none are set or they are refused, never with the password."""
+    import base64
+    import http.server
+    import threading
+
+    user, password = "qad", "s3cret-mlflow-pw"
+    good = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            seen.append(self.headers.get("Authorization"))
+            ok = self.headers.get("Authorization") == good
+            body = b'{"experiments": []}' if ok else b""
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        with pytest.raises(ConfigError, match="asks for credentials .* set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"):
+            tracking.check_reachable(uri)
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", user)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong-password")
+        with pytest.raises(ConfigError, match=r"refuses the user 'qad' .*HTTP 401") as refused:
+            tracking.check_reachable(uri)
+        assert "wrong-password" not in str(refused.value)
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        tracking.check_reachable(uri)
+        assert seen[-1] == good and seen[0] is None
+        # the password is a secret by its name: scrubbed out of any text the pipeline logs or tags
+        assert password not in tracking.redact_text(f"POST {uri} as {user}:{password}")
+        assert tracking.redact("MLFLOW_TRACKING_PASSWORD", password) == tracking.REDACTED
+    finally:
+        server.shutdown()
+
+
 def test_mark_stale_runs_ends_runs_of_dead_processes(logged):
     uri, client = logged["uri"], logged["client"]  # the shared store: a new database costs seconds
     exp_id = tracking.ensure_experiment(client, tracking.experiment_name("some/model"))

@@ -36,6 +36,7 @@ GOOD = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
 BROKEN = "broken-recipe"
 HF_TOKEN = "hf_TESTtokenValue0123456789"
 AWS_SECRET = "awsTESTsecretValue/9876543210"
+MLFLOW_PASSWORD = "mlflowTESTpassword0123"  # MLFLOW_TRACKING_PASSWORD (Secret qad-mlflow-auth)
 TASKS = {"heldout_cloze": ("acc", True), "heldout_continuation": ("acc", True), "perplexity": ("perplexity", False)}
 BASE = {"heldout_cloze": 0.50, "heldout_continuation": 0.60, "perplexity": 40.0}
 # per recipe: (scores, effective_bpe, size_bytes, kv_cache, kl)
@@ -138,7 +139,8 @@ def build_layout(root: Path, params, t0: float, qad_gain: float = 0.0) -> Layout
     write_result(layout.baseline_metrics, baseline)
     touch(layout.baseline_metrics, t0 + 60)
     # A stage log that printed the environment: the secrets must not survive into MLflow.
-    (layout.logs / "baseline.log").write_text(f"env: HF_TOKEN={HF_TOKEN} AWS_SECRET_ACCESS_KEY={AWS_SECRET}\n")
+    (layout.logs / "baseline.log").write_text(f"env: HF_TOKEN={HF_TOKEN} AWS_SECRET_ACCESS_KEY={AWS_SECRET} "
+                                              f"MLFLOW_TRACKING_PASSWORD={MLFLOW_PASSWORD}\n")
 
     for i, (name, (scores, bpe, size, kv, kl)) in enumerate(RECIPES.items()):
         started = t0 + 20 + i
@@ -240,6 +242,7 @@ def logged_store(tmp_path_factory: pytest.TempPathFactory) -> dict:
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         mp.setenv("HF_TOKEN", HF_TOKEN)
         mp.setenv("AWS_SECRET_ACCESS_KEY", AWS_SECRET)
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_PASSWORD)  # sqlite ignores it; it must reach no output
         params = make_params(root, model_dir)
         uri = tracking.tracking_uri(root)
         runs = []

@@ -7,9 +7,7 @@ import json
 import os
 import re
 import socket
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -104,8 +102,10 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     """Fail fast, with one `ConfigError` naming the URI, when the tracking store cannot be reached.
 
     http(s): the server must answer MLflow's REST API (`GET /api/2.0/mlflow/experiments/search`) with
-    a JSON object within `timeout_s`; any other answer (a 404 from some other web server) is refused,
-    except 401/403 (an authenticating front: MLflow's client sends the MLFLOW_TRACKING_* credentials).
+    a JSON object within `timeout_s`. The request is MLflow's client's own (`_probe_server`): it sends
+    the credentials and TLS settings the client will send, so an authenticating server (`mlflow server
+    --app-name basic-auth`, a proxy) that answers 401/403 refuses them, or asks for some; any other
+    answer (a 404 from some other web server) is refused too.
     postgresql/mysql/mssql: the database driver must be importable and the host's port must
     accept a TCP connection. sqlite: the database file's folder must exist or be creatable.
     Other schemes (file, databricks, plugins) are not checked.
@@ -116,27 +116,7 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
     base = scheme.split("+", 1)[0]
     hint = "start it, or unset MLFLOW_TRACKING_URI to log into sqlite:///<out-root>/mlflow.db"
     if scheme in ("http", "https"):
-        not_mlflow = (f"MLflow tracking server {shown} answers but is not an MLflow tracking server ({{}} on "
-                      f"GET {MLFLOW_PROBE}); point MLFLOW_TRACKING_URI at an `mlflow server`, or unset it to log "
-                      "into sqlite:///<out-root>/mlflow.db")
-        try:
-            with urllib.request.urlopen(uri.rstrip("/") + MLFLOW_PROBE, timeout=timeout_s) as answer:  # noqa: S310
-                body = answer.read(1 << 16)
-        except urllib.error.HTTPError as err:
-            if err.code in (401, 403):  # an authenticating front; MLflow's client sends MLFLOW_TRACKING_* credentials
-                return
-            raise ConfigError(not_mlflow.format(f"HTTP {err.code}")) from None
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            reason = getattr(err, "reason", err)
-            raise ConfigError(
-                f"MLflow tracking server {shown} cannot be reached ({reason}) within {timeout_s:g}s; {hint}"
-            ) from None
-        try:
-            answer_is_json_object = isinstance(json.loads(body), dict)
-        except ValueError:
-            answer_is_json_object = False
-        if not answer_is_json_object:
-            raise ConfigError(not_mlflow.format("an answer that is not MLflow's JSON"))
+        _probe_server(uri, shown, timeout_s, hint)
         return
     if base in DEFAULT_DB_PORTS:
         _check_db_driver(uri, shown)
@@ -157,6 +137,57 @@ def check_reachable(uri: str, timeout_s: float = 10.0) -> None:
                 folder.mkdir(parents=True, exist_ok=True)
             except OSError as err:
                 raise ConfigError(f"MLflow tracking database {shown}: cannot create {folder} ({err})") from None
+
+
+def _credentials(creds) -> str:
+    """What MLflow's client authenticates with (never the password or token itself); '' for nothing."""
+    if creds.username and creds.password:
+        return f"the user {creds.username!r} (MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD)"
+    if creds.token:
+        return "MLFLOW_TRACKING_TOKEN"
+    if creds.auth:
+        return f"the auth provider {creds.auth!r} (MLFLOW_TRACKING_AUTH)"
+    if creds.aws_sigv4:
+        return "AWS SigV4 signing (MLFLOW_TRACKING_AWS_SIGV4)"
+    return ""
+
+
+def _probe_server(uri: str, shown: str, timeout_s: float, hint: str) -> None:
+    """GET MLFLOW_PROBE once (no retries), with MLflow's `http_request` and the host credentials its
+    client reads (`MLFLOW_TRACKING_USERNAME`/`_PASSWORD`, `_TOKEN`, `~/.mlflow/credentials`, an auth
+    plugin, `MLFLOW_TRACKING_INSECURE_TLS`, `MLFLOW_TRACKING_SERVER_CERT_PATH`, ...)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    creds = get_default_host_creds(uri)
+    try:
+        answer = http_request(creds, MLFLOW_PROBE, "GET", max_retries=0, timeout=timeout_s, raise_on_status=False)
+    except MlflowException as err:  # the request failed: say why in one line (the innermost cause)
+        cause: BaseException = err
+        while cause.__cause__ or cause.__context__:
+            cause = cause.__cause__ or cause.__context__
+        raise ConfigError(f"MLflow tracking server {shown} cannot be reached ({redact_text(str(cause))}) "
+                          f"within {timeout_s:g}s; {hint}") from None
+    probe = f"HTTP {answer.status_code} on GET {MLFLOW_PROBE}"
+    if answer.status_code in (401, 403):
+        sent = _credentials(creds)
+        if sent:
+            raise ConfigError(f"MLflow tracking server {shown} refuses {sent} ({probe}); check them")
+        raise ConfigError(f"MLflow tracking server {shown} asks for credentials ({probe}) and none are set: set "
+                          "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (on Kubernetes: the Secret "
+                          "qad-mlflow-auth, infra/README.md)")
+    not_mlflow = (f"MLflow tracking server {shown} answers but is not an MLflow tracking server ({{}} on "
+                  f"GET {MLFLOW_PROBE}); point MLFLOW_TRACKING_URI at an `mlflow server`, or unset it to log "
+                  "into sqlite:///<out-root>/mlflow.db")
+    if answer.status_code != 200:
+        raise ConfigError(not_mlflow.format(f"HTTP {answer.status_code}"))
+    try:
+        answer_is_json_object = isinstance(json.loads(answer.content), dict)
+    except ValueError:
+        answer_is_json_object = False
+    if not answer_is_json_object:
+        raise ConfigError(not_mlflow.format("an answer that is not MLflow's JSON"))
 
 
 def experiment_name(base_model_path: str) -> str:
