@@ -5,13 +5,11 @@ out-root, in seconds. Most cases call the `qad-pipeline` command in this process
 what runs); a few run the real `qad-pipeline run` process.
 """
 
-import http.server
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -21,6 +19,7 @@ from qad_pipeline import tracking
 from qad_pipeline.calibration_data import read_documents
 from qad_pipeline.cli import app
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from tests.http_stub import serve
 
 runner = CliRunner()
 GOOD_RECIPE = "nvfp4_max-mamba_fp8-kv_fp8"
@@ -301,20 +300,7 @@ def test_undecodable_qad_text_is_refused_too(tmp_path):
 
 
 def http_server(status: int, body: bytes, content_type: str = "text/html"):
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
+    return serve(lambda headers: (status, body, content_type))
 
 
 def test_a_tracking_uri_that_answers_but_is_not_mlflow_is_refused(tmp_path):

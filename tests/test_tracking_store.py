@@ -18,6 +18,7 @@ from qad_pipeline import tracking
 from qad_pipeline.artifacts import read_json
 from qad_pipeline.config import ConfigError
 from qad_pipeline.tracking.stale import process_tags
+from tests.http_stub import serve
 from tests.tracking_fakes import BROKEN, GOOD, build_layout, children, logged_store, make_params
 
 
@@ -62,30 +63,17 @@ def test_check_reachable_sends_mlflows_credentials_and_names_a_refusal(tmp_path,
     MLflow's client sends (MLFLOW_TRACKING_USERNAME/PASSWORD, the variables of the Secret qad-mlflow-auth
     on Kubernetes), and says in one line when none are set or they are refused, never with the password."""
     import base64
-    import http.server
-    import threading
 
     user, password = "qad", "s3cret-mlflow-pw"
     good = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
     seen = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
-            seen.append(self.headers.get("Authorization"))
-            ok = self.headers.get("Authorization") == good
-            body = b'{"experiments": []}' if ok else b""
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def respond(headers):
+        seen.append(headers.get("Authorization"))
+        ok = headers.get("Authorization") == good
+        return (200 if ok else 401), (b'{"experiments": []}' if ok else b""), "application/json"
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    server, uri = serve(respond)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_AUTH"):
         monkeypatch.delenv(name, raising=False)
