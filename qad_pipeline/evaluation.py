@@ -115,16 +115,19 @@ def eval_calls(params: EvalParams, eval_dir: Path, items: dict[str, list[int]] |
     calls = []
     for (fewshot, chat, multiturn, gen, limit), group in _by_settings(params).items():
         group = [n for n in group if n in names]
-        if not group:
-            continue
-        chosen = {leaf: docs for n in group for leaf, docs in samples.get(n, {}).items()} or None
-        tasks = [t for n in group for t in (specs[n] if isinstance(specs[n], list) else [specs[n]])]
-        call = {"tasks": tasks, "samples": chosen,
-                "limit": None if chosen else limit, "num_fewshot": fewshot, "apply_chat_template": chat,
-                "fewshot_as_multiturn": multiturn, "gen_kwargs": dict(gen) if gen else None}
-        if local.intersection(group):
-            call["include_path"] = str(task_dir)
-        calls.append(call)
+        # the raced tasks (on their ids) apart from the rest (on `limit`, as in a full evaluation):
+        # lm-eval's `samples` replaces `limit` for a whole call
+        for part in ([n for n in group if n in samples], [n for n in group if n not in samples]):
+            if not part:
+                continue
+            chosen = {leaf: docs for n in part for leaf, docs in samples.get(n, {}).items()} or None
+            tasks = [t for n in part for t in (specs[n] if isinstance(specs[n], list) else [specs[n]])]
+            call = {"tasks": tasks, "samples": chosen,
+                    "limit": None if chosen else limit, "num_fewshot": fewshot, "apply_chat_template": chat,
+                    "fewshot_as_multiturn": multiturn, "gen_kwargs": dict(gen) if gen else None}
+            if local.intersection(part):
+                call["include_path"] = str(task_dir)
+            calls.append(call)
     return calls, metric_orders
 
 

@@ -98,3 +98,20 @@ def test_a_metric_or_filter_the_task_does_not_report_is_named():
 def test_bad_task_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_params(PROJECT_PARAMS, [f"eval.task_settings={json.dumps(settings)}"])
+
+
+def test_a_raced_task_and_an_unraced_one_go_in_two_calls_so_the_limit_still_cuts_the_unraced(tmp_path):
+    """lm-eval's `samples` replaces `limit` for a whole call: a task racing does not slice (a
+    corpus-level metric, say) would otherwise lose `eval.limit` in a slice and be scored on other
+    items than in the baseline."""
+    for name in ("heldout_cloze", "heldout_continuation"):
+        (tmp_path / f"{name}.jsonl").write_text("{}\n")
+    params = load_params(PROJECT_PARAMS, {"eval.limit": 5}).eval
+    calls, _ = evaluation.eval_calls(params, tmp_path, items={"heldout_cloze": [3, 1]})
+    raced, rest = calls
+    assert [t["task"] for t in raced["tasks"]] == ["heldout_cloze"] and raced["samples"] == {"heldout_cloze": [1, 3]}
+    assert raced["limit"] is None
+    assert [t["task"] for t in rest["tasks"]] == ["heldout_continuation"] and rest["samples"] is None
+    assert rest["limit"] == 5
+    full, _ = evaluation.eval_calls(params, tmp_path)  # without racing: one call, the limit for both
+    assert len(full) == 1 and full[0]["limit"] == 5 and full[0]["samples"] is None
