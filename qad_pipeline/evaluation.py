@@ -143,9 +143,9 @@ def _leaves(name: str, task_dir: Path) -> list[str] | None:
 def read_scores(params: EvalParams, out: dict, metric_orders: dict[str, list[str]]) -> dict[str, dict]:
     """Each task's score (`primary_score`) and per-item values from merged lm-eval results (`run_calls`);
     a group's with its sub-tasks' values and items (`eval_groups`)."""
-    scores = {}
+    scores, task_dir = {}, resolve(params.task_dir)
     for name, order in metric_orders.items():
-        chosen, task_dir = params.settings(name), resolve(params.task_dir)
+        chosen = params.settings(name)
         results, higher = out["results"].get(name), out["higher_is_better"].get(name, {})
         group_leaves = None
         if results is None or out.get("group_subtasks", {}).get(name):  # a group (raced: its leaves ran)
@@ -233,6 +233,21 @@ def task_items(samples: list[dict], metric: str, score: float, filter_name: str 
     return None
 
 
+def perplexity_task(perplexity: float, window_nll: list[float], ids: list[int], positions: int) -> dict:
+    """The held-out perplexity as a task (lower is better), with each window's mean log-likelihood
+    per position as its items."""
+    return {"metric": "perplexity", "value": perplexity, "higher_is_better": False,
+            "items": {"aggregation": "perplexity", "ids": ids, "values": [-n / positions for n in window_nll]}}
+
+
+def pop_items(tasks: dict[str, dict]) -> dict[str, dict]:
+    """Each task's per-item values, taken out of its score (callers store them apart)."""
+    items = {task: score.pop("items") for task, score in tasks.items() if score.get("items")}
+    for score in tasks.values():
+        score.pop("items", None)
+    return items
+
+
 def evaluate_model(
     model, tokenizer, params: EvalParams, data_dir: Path, reference: Path | None = None,
     write_reference: Path | None = None, items: dict[str, list[int]] | None = None,
@@ -269,15 +284,10 @@ def evaluate_model(
                                 "windows_fingerprint": windows_fingerprint(windows),
                                 "vocab_size": model.config.vocab_size})
     tasks = lm_eval_scores(model, tokenizer, params, Path(data_dir) / "eval", items)
-    positions = windows.shape[1] - 1
     if streamed is not None:
-        tasks["perplexity"] = {"metric": "perplexity", "value": streamed["perplexity"], "higher_is_better": False,
-                               "items": {"aggregation": "perplexity", "ids": rows,
-                                         "values": [-n / positions for n in streamed["window_nll"]]}}
-    items = {task: score.pop("items") for task, score in tasks.items() if score.get("items")}
-    for score in tasks.values():
-        score.pop("items", None)
-    result = {"tasks": tasks, "items": items}
+        tasks["perplexity"] = perplexity_task(streamed["perplexity"], streamed["window_nll"], rows,
+                                              windows.shape[1] - 1)
+    result = {"tasks": tasks, "items": pop_items(tasks)}
     if ref is not None and streamed is not None:
         result["kl_divergence"] = streamed["kl_divergence"]
         result["kl_estimator"] = (f"exact over the top {ref.manifest['k']} tokens + "

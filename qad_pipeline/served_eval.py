@@ -15,15 +15,12 @@ run's recovery stays the in-memory one.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import tempfile
 from pathlib import Path
 
 from qad_pipeline.calibration_data import load_ppl_windows
 from qad_pipeline.config import PROJECT_ROOT, EvalParams
-from qad_pipeline.evaluation import eval_calls, read_scores
+from qad_pipeline.evaluation import eval_calls, perplexity_task, pop_items, read_scores
 
 EVAL_SCRIPT = PROJECT_ROOT / "serving" / "vllm_eval.py"
 
@@ -36,32 +33,20 @@ def vllm_evaluate(folder: Path, params: EvalParams, data_dir: Path, env: Path | 
                   timeout: int = 7200, log=print) -> dict:
     """Scores of the checkpoint in `folder` served by vLLM: {"tasks", "items", "served"} (`served`:
     vLLM's version, the quantization and KV-cache dtype it ran, and the KV-cache fallback, if any)."""
-    from qad_pipeline.serving import vllm_process_env, vllm_python
+    from qad_pipeline.serving import run_vllm_script
 
     windows = load_ppl_windows(data_dir)
     calls, metric_orders = eval_calls(params, Path(data_dir) / "eval")
-    python = vllm_python(env)
-    with tempfile.TemporaryDirectory(prefix="qad-served-eval-") as tmp:
-        request, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
-        request.write_text(json.dumps({"calls": calls, "windows": windows.tolist(), "batch_size": params.batch_size,
-                                       "max_model_len": None}))
-        log(f"vLLM scores {folder} ({len(params.tasks)} task(s), {len(windows)} perplexity windows)")
-        proc = subprocess.run([str(python), str(EVAL_SCRIPT), str(folder), str(request), str(out)],
-                              capture_output=True, text=True, env=vllm_process_env(), timeout=timeout)
-        if proc.returncode != 0 or not out.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-            raise ServedEvalFailed(f"vLLM could not score {folder} (exit {proc.returncode}): " + " | ".join(tail))
-        side = json.loads(out.read_text())
+    log(f"vLLM scores {folder} ({len(params.tasks)} task(s), {len(windows)} perplexity windows)")
+    request = {"calls": calls, "windows": windows.tolist(), "batch_size": params.batch_size, "max_model_len": None}
+    side = run_vllm_script(EVAL_SCRIPT, folder, request, f"vLLM could not score {folder}", ServedEvalFailed, env,
+                           timeout)
     tasks = read_scores(params, side.pop("lm_eval"), metric_orders)
     nll = side.pop("window_nll")
     positions = windows.shape[1] - 1
-    tasks["perplexity"] = {"metric": "perplexity", "value": math.exp(sum(nll) / (len(nll) * positions)),
-                           "higher_is_better": False,
-                           "items": {"aggregation": "perplexity", "ids": list(range(len(nll))),
-                                     "values": [-n / positions for n in nll]}}
-    items = {task: score.pop("items") for task, score in tasks.items() if score.get("items")}
-    for score in tasks.values():
-        score.pop("items", None)
+    tasks["perplexity"] = perplexity_task(math.exp(sum(nll) / (len(nll) * positions)), nll, list(range(len(nll))),
+                                          positions)
+    items = pop_items(tasks)
     return {"tasks": tasks, "items": items, "served": side}
 
 

@@ -137,11 +137,12 @@ def setup_vllm(env: Path | None = None, build: str = "auto", log=print) -> Path:
     return env
 
 
-def lm_eval_requirement() -> str:
-    """lm-eval at the project's own version: the served eval runs the same tasks the same way."""
+def lm_eval_version() -> str:
+    """The project's own lm-eval version, which the vLLM environment gets: the served eval runs the
+    same tasks the same way."""
     from importlib.metadata import version
 
-    return f"lm_eval=={version('lm_eval')}"
+    return version("lm_eval")
 
 
 def installed_lm_eval(python: Path) -> str | None:
@@ -157,7 +158,7 @@ def check_served_eval_env(params) -> None:
         raise ConfigError("eval.backend vllm scores the exported checkpoint, and export.source is none: "
                           "set export.source (qad, or the PTQ recipe to export) or eval.backend hf")
     python = vllm_python()
-    wanted = lm_eval_requirement().split("==")[1]
+    wanted = lm_eval_version()
     if installed_lm_eval(python) != wanted:
         raise ConfigError(f"eval.backend vllm needs lm-eval {wanted} in the vLLM environment {vllm_env()}: "
                           "run `qad-pipeline setup-vllm` (it installs it there)")
@@ -166,10 +167,10 @@ def check_served_eval_env(params) -> None:
 def install_lm_eval(pip: list[str], python: Path, log=print) -> None:
     """lm-eval in the vLLM environment, for `eval.backend: vllm` (it leaves vLLM's torch and
     transformers as they are: its own requirements are looser)."""
-    wanted = lm_eval_requirement()
-    if installed_lm_eval(python) != wanted.split("==")[1]:
-        log(f"installing {wanted} beside vLLM (the served eval's harness)")
-        subprocess.run([*pip, wanted], check=True)
+    wanted = lm_eval_version()
+    if installed_lm_eval(python) != wanted:
+        log(f"installing lm_eval=={wanted} beside vLLM (the served eval's harness)")
+        subprocess.run([*pip, f"lm_eval=={wanted}"], check=True)
 
 
 def install_plugin(pip: list[str], no_deps: bool) -> None:
@@ -235,17 +236,25 @@ def run_vllm_side(folder: Path, prompts: list[list[int]], level: str, logprobs: 
                   timeout: int = 900, view: str = "w4a4") -> dict:
     """One vLLM process: the config check, and the full check of `view` (w4a16: vLLM serves a copy
     whose NVFP4 layers read W4A16_NVFP4; w4a4: the checkpoint as stored)."""
+    request = {"level": level, "prompts": prompts, "logprobs": logprobs, "view": view,
+               "max_model_len": max(len(p) for p in prompts) + 8}
+    return run_vllm_script(CHECK_SCRIPT, folder, request, "the vLLM side of the serving check failed",
+                           ServingCheckFailed, env, timeout)
+
+
+def run_vllm_script(script: Path, folder: Path, request: dict, failed: str, error: type[Exception],
+                    env: Path | None = None, timeout: int = 900) -> dict:
+    """`script FOLDER REQUEST.json OUT.json` in the vLLM environment: OUT's JSON; `error` with
+    `failed`, the exit status and the last lines of its output when it fails."""
     python = vllm_python(env)
-    with tempfile.TemporaryDirectory(prefix="qad-serving-") as tmp:
-        request, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
-        request.write_text(json.dumps({"level": level, "prompts": prompts, "logprobs": logprobs, "view": view,
-                                       "max_model_len": max(len(p) for p in prompts) + 8}))
-        proc = subprocess.run([str(python), str(CHECK_SCRIPT), str(folder), str(request), str(out)],
+    with tempfile.TemporaryDirectory(prefix="qad-vllm-") as tmp:
+        request_file, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        request_file.write_text(json.dumps(request))
+        proc = subprocess.run([str(python), str(script), str(folder), str(request_file), str(out)],
                               capture_output=True, text=True, env=vllm_process_env(), timeout=timeout)
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-            raise ServingCheckFailed(f"the vLLM side of the serving check failed (exit {proc.returncode}): "
-                                     + " | ".join(tail))
+            raise error(f"{failed} (exit {proc.returncode}): " + " | ".join(tail))
         return json.loads(out.read_text())
 
 

@@ -58,11 +58,11 @@ def comparison(served: dict, memory: InMemory | None) -> list[dict]:
                      "in_memory_recovery_ci": mem_ci, "served_recovery": score.get("recovery"),
                      "served_recovery_ci": score.get("recovery_ci"),
                      "intervals_overlap": overlap(mem_ci, score.get("recovery_ci"))})
+    mem_ci = memory.median_recovery_ci if memory else None
     rows.append({"task": "median", "in_memory_recovery": memory.median_recovery if memory else None,
-                 "in_memory_recovery_ci": memory.median_recovery_ci if memory else None,
-                 "served_recovery": served["median_recovery"], "served_recovery_ci": served["median_recovery_ci"],
-                 "intervals_overlap": overlap(memory.median_recovery_ci if memory else None,
-                                              served["median_recovery_ci"])})
+                 "in_memory_recovery_ci": mem_ci, "served_recovery": served["median_recovery"],
+                 "served_recovery_ci": served["median_recovery_ci"],
+                 "intervals_overlap": overlap(mem_ci, served["median_recovery_ci"])})
     return rows
 
 
@@ -85,12 +85,13 @@ def run_served_eval(params: Params, layout: Layout, log=print) -> ServedEval:
     write_json(layout.served_eval / "export_items.json", served["items"])
     scored = score_recovery({"tasks": served["tasks"]}, served["items"], {"tasks": bf16["tasks"]}, bf16["items"])
     memory = in_memory(layout, export.source)
+    table = comparison(scored, memory)
     result = ServedEval(
         backend="vllm", ran=True, export=export.path, source=export.source, baseline_tasks=bf16["tasks"],
         tasks=scored["tasks"], median_recovery=scored["median_recovery"],
         median_recovery_ci=scored["median_recovery_ci"], recovery_interval=scored["recovery_interval"],
-        in_memory=memory, agree=overlap(memory.median_recovery_ci if memory else None, scored["median_recovery_ci"]),
-        table=comparison(scored, memory), served={"bf16": bf16["served"], "export": served["served"]},
+        in_memory=memory, agree=table[-1]["intervals_overlap"],  # the median's row
+        table=table, served={"bf16": bf16["served"], "export": served["served"]},
         seconds=round(time.perf_counter() - started, 1))
     write_result(layout.served_metrics, result)
     return result
