@@ -79,7 +79,8 @@ def run_stage_process(
                                      overrides=overrides)[1:]]
     logger.info("%s: started (log: %s)", name, log_path)
     started = time.time()
-    child_env = {**os.environ, **(env or {})}
+    # unbuffered: what the stage prints reaches its log as it happens, not when a buffer fills or it exits
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if threads and "OMP_NUM_THREADS" not in child_env:
         child_env["OMP_NUM_THREADS"] = str(threads)
     oom_before = oom_kills()
