@@ -10,7 +10,10 @@ re-implements exactly those kernels with vectorised torch ops and, through
 ``mtq.quantize`` with modelopt's own NVFP4 configs runs unchanged on CPU (slowly; for development
 and CI).
 
-The numerics follow what a GPU run computes, not a textbook definition:
+The numerics are the reference arithmetic: the exact float32 division ``|x| / scale`` that
+Model Optimizer's export packer (``NVFP4QTensor.quantize``) uses to write the checkpoint's E2M1
+codes and FP8 block scales, i.e. what the inference engine dequantizes; every other step follows
+what a GPU run computes:
 
 * two-level scales: ``per_block_scale = fp8_e4m3(block_amax / 6 / global_scale) * global_scale``
   with ``global_scale = global_amax / (6 * 448)`` (``/ (6 * 256)`` for four-over-six, static only);
@@ -18,7 +21,8 @@ The numerics follow what a GPU run computes, not a textbook definition:
   1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), magnitudes above 6 saturate;
 * a tensor divided by a Python constant on CUDA is computed by PyTorch as a multiplication by the
   float32 reciprocal (``x * fl(1/c)``), which differs from CPU true division in the last bit for
-  about a quarter of inputs; the emulation reproduces the CUDA form;
+  about a quarter of inputs; the emulation reproduces the CUDA form (the export of a GPU run
+  receives that global scale from the quantizer);
 * the dynamic kernel replaces every block scale below 1e-5 (absolute, after FP8 rounding) by 1.0,
   so a block of small values rounds to zero; the static kernel maps a zero scale (FP8 underflow)
   to an all-zero block and a NaN/inf scale to 1.0; modelopt's export path (``NVFP4QTensor``)
@@ -31,10 +35,15 @@ The numerics follow what a GPU run computes, not a textbook definition:
 Known, value-neutral difference: an input of exactly -0.0 comes out as -0.0 here and +0.0 from
 Triton (equal under ``torch.equal``). NaN inputs propagate NaN here (Triton saturates them).
 
-What cannot be reproduced bit for bit: the Triton kernels divide with ``div.full.f32`` (an
-approximate division, at most 2 ulp off), so a value within 2 ulp of an E2M1 decision boundary or
-an FP8 rounding midpoint may round differently on the GPU. ``scripts/gpu_nvfp4_parity.py`` counts
-such cases on a GPU machine.
+What the GPU's fake quantization differs by: the Triton kernels compute ``|x| / scale`` (and the
+dynamic kernel ``block_amax / (6 * global_scale)``) with Triton's float32 ``/``, the approximate
+``div.full.f32`` (at most 2 ulp off). An element whose exact quotient lies within 2 ulp of an E2M1
+decision boundary may come out one FP4 step away (the boundary's other neighbour), and a dynamic
+block whose scale lies within 2 ulp of an FP8 rounding midpoint may take the neighbouring FP8
+scale; in practice this touches bf16/fp16 inputs (about 1 element in 1,000-6,000 on the parity
+cases), not float32 ones. These kernels keep the exact division, i.e. the checkpoint's arithmetic.
+``qad_pipeline.nvfp4_parity`` models the GPU's division and classifies every such difference;
+``scripts/gpu_nvfp4_parity.py`` runs that check against modelopt's kernels on a GPU machine.
 """
 
 from __future__ import annotations
