@@ -261,7 +261,22 @@ def evaluate_model(
     `items` (racing, `qad_pipeline.racing`): the ids to score per task (lm-eval doc ids; "perplexity":
     window indices); a task it names with no ids is not scored, one it does not name is scored in
     full. KL then covers the scored windows only.
+
+    A fake-quantized model's weights are fake-quantized once for the whole evaluation, not in
+    every forward (`qad_pipeline.weight_folding`: the same logits, bit for bit; the model comes
+    out as it went in).
     """
+    from qad_pipeline.weight_folding import folded_weights
+
+    with folded_weights(model) as folding:
+        if folding.folded or folding.left:
+            print(f"eval: {folding.summary()}", flush=True)
+        return _evaluate(model, tokenizer, params, data_dir, reference, write_reference, items)
+
+
+def _evaluate(model, tokenizer, params: EvalParams, data_dir: Path, reference: Path | None,
+              write_reference: Path | None, items: dict[str, list[int]] | None) -> dict:
+    """`evaluate_model`'s passes over the model as it is."""
     from qad_pipeline.reference import Reference, ReferenceWriter, score_windows, windows_fingerprint
 
     windows = torch.from_numpy(load_ppl_windows(data_dir))
