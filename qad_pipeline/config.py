@@ -262,6 +262,8 @@ class QADParams(_Section):
     teacher: Literal["live", "cached"] = "live"  # cached: the teacher_cache stage's top-k + tail, no teacher in QAD
     teacher_top_k: int = Field(default=32, gt=0)
     teacher_tail_samples: int = Field(default=32, ge=0)
+    chunked_loss: bool = True  # the KD loss chunk by chunk of positions, no [tokens x vocab] logits (kd_loss.py)
+    compile: bool = False  # torch.compile on each decoder block
 
     @property
     def processes(self) -> int:  # on all nodes

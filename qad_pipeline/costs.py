@@ -18,8 +18,9 @@ a QAD token (the teacher's forward, the student's forward and backward; 6 x Na w
 whose forward is the teacher_cache stage's), Na the matrix weights a
 token goes through (a MoE's routed experts: only its own). The throughput is the GPU's dense BF16
 peak (`targets.GPUS`) times a model-FLOPs utilisation: EVAL_MFU for forwards (calibration,
-evaluation), TRAIN_MFU for QAD, on its qad.num_gpus x qad.num_nodes GPUs at once (qad.offload's
-host-side optimizer step is not modelled). A recipe spread over several GPUs
+evaluation); for QAD the figure measured on the target's GPU (MEASURED_QAD_MFU) where there is one,
+else TRAIN_MFU (`train_mfu`; the plan says which), on its qad.num_gpus x qad.num_nodes GPUs at once
+(qad.offload's host-side optimizer step is not modelled). A recipe spread over several GPUs
 by `device_map: auto` runs them one after another (accelerate's pipeline): one GPU's throughput.
 Tokens: the calibration samples (PTQ), and each evaluation's perplexity/KL windows and lm-eval
 tokens (`qad_pipeline.eval_costs`: the project's tasks, the standard suite's estimated tokens; any
@@ -27,7 +28,7 @@ other registry task is not counted, the plan says so). With racing a PTQ recipe 
 items and the race stage is priced at its worst case (every recipe finishes every round).
 The export is bounded by the disk: twice its bytes (written, read back) at DISK_BYTES_PER_S.
 Model Optimizer's MSE / four-over-six scale searches and AutoQuantize's scoring are not counted.
-These MFUs and the disk speed are assumptions, not measurements: nothing here has run on a GPU.
+EVAL_MFU, TRAIN_MFU and the disk speed are assumptions, not measurements.
 """
 
 from __future__ import annotations
@@ -39,6 +40,24 @@ from qad_pipeline.memory_model import DTYPE_BYTES, ModelShape, model_shape, stat
 EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
 TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
 DISK_BYTES_PER_S = 2e9         # a local NVMe or a parallel filesystem (assumed)
+# QAD's MFU measured per GPU (a `targets.GPUS` name): `python benchmarks/qad_throughput.py --device cuda`
+# (a ~1B Llama, sequence 4096, NVFP4 student, live teacher; MFU as that benchmark counts it). Each entry
+# says where it comes from: date, tree, GPU, software, tokens/s. Empty: no GPU measurement yet.
+MEASURED_QAD_MFU: dict[str, float] = {}
+
+
+def train_mfu(gpu: str | None) -> tuple[float, str]:
+    """(QAD's MFU on `gpu`, where the figure comes from): measured, else TRAIN_MFU, assumed."""
+    if gpu in MEASURED_QAD_MFU:
+        return MEASURED_QAD_MFU[gpu], f"measured on {gpu}"
+    return TRAIN_MFU, "assumed"
+
+
+def target_gpu(target: str | None) -> str | None:
+    """The GPU name (`targets.GPUS`) of a plan's target node (None: this machine, not named)."""
+    from qad_pipeline.targets import parse
+
+    return parse(target).gpu if target else None
 
 
 def eval_seconds(cost: EvalCost | None, shape: ModelShape, bf16_flops: float | None) -> float | None:
@@ -88,9 +107,10 @@ def export_bytes(params: Params, shape: ModelShape) -> int:
     return shape.matrix_params * 9 // 16 + embeddings * DTYPE_BYTES[params.base_model.dtype]
 
 
-def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | None) -> float | None:
-    """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each
-    (None: no GPU to estimate for; 0: a stage that loads no model)."""
+def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | None,
+            gpu: str | None = None) -> float | None:
+    """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each, named
+    `gpu` where known (None: no GPU to estimate for; 0: a stage that loads no model)."""
     name = stage.partition("/")[0]
     if bf16_flops is None:
         return None
@@ -106,7 +126,7 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
     q = params.qad
     tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
     if name == "qad":  # the teacher's forward, the student's forward and backward; 3 without the teacher
-        return (4 if q.teacher == "live" else 3) * forward * tokens / (bf16_flops * TRAIN_MFU * q.processes)
+        return (4 if q.teacher == "live" else 3) * forward * tokens / (bf16_flops * train_mfu(gpu)[0] * q.processes)
     if name == "teacher_cache":
         return forward * tokens / per_gpu_eval
     if name == "export":

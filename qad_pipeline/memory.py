@@ -331,10 +331,11 @@ def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) 
     names = cap.gpu_names or gpus.visible(len(cap.gpu_bytes))
     placed = gpus.layout(runs, params, names, recipes_at_once) if cap.gpu_bytes else {}
     out = []
+    gpu = costs.target_gpu(cap.target)  # the GPU a measured QAD MFU is looked up for
     for stage in stages(params, sweep_only):
         est = estimate(stage, params, cap, shape)
         est.disk_bytes = costs.disk_bytes(stage, params, shape)
-        est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops)
+        est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops, gpu)
         est.evaluation = (cost := eval_costs.stage_cost(stage, params)) and cost.as_dict()
         est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
         est.gpus = placed.get(stage, ())
@@ -390,8 +391,9 @@ def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None =
     total = run_seconds(estimates)
     left_out = eval_costs.uncounted_tasks(params) if params is not None else []
     if total is not None:
-        lines.append(f"time: ~{time_text(total)} along the DAG (assumed MFU {costs.EVAL_MFU:.0%} forward, "
-                     f"{costs.TRAIN_MFU:.0%} QAD; see qad_pipeline/costs.py)"
+        qad_mfu, source = costs.train_mfu(costs.target_gpu(cap.target))
+        lines.append(f"time: ~{time_text(total)} along the DAG (MFU {costs.EVAL_MFU:.0%} forward, assumed; "
+                     f"{qad_mfu:.0%} QAD, {source}; see qad_pipeline/costs.py)"
                      + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
     lines += costs.eval_lines(estimates, params, cap.bf16_flops) if params is not None else []
     return "\n".join(lines)

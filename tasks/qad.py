@@ -6,16 +6,20 @@ mode. The loss is Model Optimizer's `LogitsDistillationLoss`: KL divergence betw
 teacher's and the student's next-token distributions at temperature T, with the student's
 simulated quantization in every forward pass (straight-through gradients to its weights).
 
-The loop, in full: batch -> teacher logits (no grad) -> student logits -> KD loss -> backward
--> clip -> AdamW step -> schedule -> checkpoint. The student is saved in the base model's dtype.
+The loop, in full (`train_step`, `micro_step`): batch -> teacher (no grad) -> student -> KD loss ->
+backward -> clip -> AdamW step -> schedule -> checkpoint. The student is saved in the base model's dtype.
+`qad.chunked_loss` (default): the loss from the decoders' last hidden states, chunk by chunk of
+positions, never [tokens x vocab] logits (`qad_pipeline/kd_loss.py`; FSDP2 keeps the full logits).
+No host sync per step: the loss stays on the device and is read one step late (before a checkpoint is
+written, all of it). `qad.compile`: `torch.compile` on each decoder block. benchmarks/qad_throughput.py
+measures this loop.
 
 Precision (`qad.compute_dtype`; `auto` is bfloat16 on CUDA and float32 on the CPU, where most
-processors have no native bf16 and autocast is several times slower). The student's master
-weights and AdamW state are float32 (a BF16
-weight would swallow updates smaller than its 8-bit mantissa). With `bfloat16` the student's
-forward and backward run under `torch.autocast(dtype=bfloat16)`: matmuls in BF16 (the quantizers
-fake-quantize in float32 and hand BF16 on), gradients land in the float32 weights. `float32` runs
-everything in float32. The teacher runs in the base model's dtype either way.
+processors have no native bf16 and autocast is several times slower). The student's master weights
+and AdamW state are float32 (a BF16 weight would swallow updates smaller than its 8-bit mantissa).
+With `bfloat16` the student's forward and backward run under `torch.autocast(dtype=bfloat16)`:
+matmuls in BF16 (the quantizers fake-quantize in float32 and hand BF16 on), gradients land in the
+float32 weights. `float32` runs everything in float32. The teacher runs in the base model's dtype either way.
 
 Memory (`qad.gradient_checkpointing`): transformers' gradient checkpointing, non-reentrant; each
 decoder block's activations are recomputed in backward. A model class that transformers cannot
@@ -34,9 +38,8 @@ for the student and for the frozen teacher; neither model is ever whole on a pro
 without a GPU) the processes run on the CPU over gloo: that is the path the tests take
 (tests/test_qad_distributed.py). Not tested here (no GPU): NCCL, and FSDP2 on GPUs.
 
-torch's own `DistributedDataParallel` and `fully_shard` are used rather than accelerate's
-`Accelerator`: accelerate (1.15) turns FSDP on only for GPU-class devices and silently falls back
-to DDP on CPU, so a CPU test through it would not exercise the sharded path at all.
+torch's own DDP and `fully_shard`, not accelerate's `Accelerator`: accelerate (1.15) silently falls
+back to DDP on CPU, so a CPU test through it would not exercise the sharded path at all.
 
 Writes `<out>/model/` (the QAD student, with its quantizer state) and `<out>/loss.json`.
 Checkpoints (`save_checkpoint`): every `qad.checkpoint_every` steps `<checkpoints>/last/` gets the
@@ -56,15 +59,20 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from tqdm import tqdm
 
+from qad_pipeline import kd_loss
 from qad_pipeline.artifacts import fingerprint, staged_dir
 from qad_pipeline.config import ConfigError, Params, QADParams, StageError
 from qad_pipeline.distributed import (
+    World,
     held_bytes,
     join_world,
     launch_processes,
@@ -86,7 +94,7 @@ CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
 # under one setting resumes under another.
 LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every", "offload", "num_nodes",
-               "rdzv_endpoint"}
+               "rdzv_endpoint", "chunked_loss", "compile"}
 
 
 class QADDiverged(StageError):
@@ -142,11 +150,116 @@ def enable_gradient_checkpointing(student) -> None:
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+@dataclass
+class QADStep:
+    """What one optimizer step uses (`run_qad` builds it; so does benchmarks/qad_throughput.py)."""
+
+    qad: QADParams
+    student: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    student_device: torch.device
+    teacher: torch.nn.Module | None = None  # None: the cached teacher
+    teacher_device: torch.device | None = None
+    cache: TeacherCache | None = None
+    world: World = field(default_factory=World)
+    sharded: bool = False  # FSDP2 over several processes
+    compute_dtype: str = "float32"
+    chunked: bool = True  # the chunked KD loss (qad_pipeline/kd_loss.py); False: from the full logits
+    chunk_tokens: int = kd_loss.CHUNK_TOKENS
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids on `device`; to a GPU through pinned memory, without waiting for the copy."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
+def micro_step(s: QADStep, rows: np.ndarray, batch: torch.Tensor) -> torch.Tensor:
+    """One micro-batch: the teacher's targets, the student's forward, the KD loss (its mean over
+    positions / qad.grad_accum), backward. Returns that loss, detached, where it is: no host sync."""
+    q, ids, teacher_out = s.qad, to_device(batch, s.student_device), None
+    if s.cache is None:  # the live teacher: its last hidden state (chunked) or its logits
+        teacher_ids = ids if s.teacher_device == s.student_device else to_device(batch, s.teacher_device)
+        with torch.no_grad() if s.sharded else torch.inference_mode(), record_function("qad.teacher"):
+            if s.chunked:
+                teacher_out = s.teacher.base_model(input_ids=teacher_ids, use_cache=False).last_hidden_state
+            else:
+                teacher_out = s.teacher(input_ids=teacher_ids).logits.float()
+        if s.sharded:
+            s.teacher.reshard()  # FSDP2 keeps the root's gathered parameters for a backward that never comes
+    autocast = torch.autocast(s.student_device.type, dtype=torch.bfloat16, enabled=s.compute_dtype == "bfloat16")
+    with autocast, record_function("qad.student_forward"):  # with the chunked loss: the loss too (qad.kd_loss)
+        if s.chunked:
+            if s.cache is None:
+                targets = kd_loss.live_targets(s.teacher, teacher_out.flatten(0, -2), q.temperature)
+            else:
+                targets = kd_loss.cached_targets(s.cache, rows, q.temperature, s.student_device)
+            hidden = kd_loss.decoder_states(s.student, ids)
+            head = getattr(s.student, "module", s.student).get_output_embeddings()
+            loss = kd_loss.chunked_kd_mean(head, hidden, targets, s.chunk_tokens)
+        else:
+            student_logits = s.student(input_ids=ids).logits.float()
+    if not s.chunked:
+        with record_function("qad.kd_loss"):
+            loss = full_logits_loss(s, rows, student_logits, teacher_out).mean()
+    loss = loss / q.grad_accum
+    with record_function("qad.backward"):
+        loss.backward()
+    return loss.detach()
+
+
+def full_logits_loss(s: QADStep, rows: np.ndarray, student_logits, teacher_logits) -> torch.Tensor:
+    """The per-position KD loss from the full logits (without `qad.chunked_loss`)."""
+    if s.cache is None:
+        from modelopt.torch.distill.losses import LogitsDistillationLoss
+
+        kd = LogitsDistillationLoss(temperature=s.qad.temperature, reduction="none")  # per token
+        return kd(student_logits, teacher_logits.to(student_logits.device))
+    return s.cache.loss(rows, student_logits, s.qad.temperature)
+
+
+def train_step(s: QADStep, windows: np.ndarray, stream) -> torch.Tensor:
+    """One optimizer step over qad.grad_accum micro-batches of `stream`: the global batch's loss
+    (float64, on the device: read it with `host_copy`), then clip, AdamW, schedule."""
+    device = s.world.device if s.world.size > 1 else s.student_device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _ in range(s.qad.grad_accum):
+        rows = s.world.rows(next(stream))  # this process's rows (window indices) of the global batch
+        total += micro_step(s, rows, torch.from_numpy(windows[rows])).to(device)
+    if s.world.size > 1:
+        dist.all_reduce(total)
+        total /= s.world.size  # the mean over the processes
+    with record_function("qad.optimizer"):
+        torch.nn.utils.clip_grad_norm_(s.student.parameters(), 1.0)
+        s.optimizer.step()
+        s.scheduler.step()
+        s.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def host_copy(value: torch.Tensor):
+    """(`value`'s host copy, on its way; an event to wait for it or None): waiting for it later does not
+    wait for the work queued after it."""
+    if value.device.type != "cuda":
+        return value, None
+    copy, event = value.to("cpu", non_blocking=True), torch.cuda.Event()
+    event.record()
+    return copy, event
+
+
+def compile_blocks(model) -> None:
+    """`torch.compile` each decoder block (transformers' own block classes), in place."""
+    blocks = set(getattr(model, "module", model)._no_split_modules or [])
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            module.compile()
+
+
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path,
             teacher_cache: Path | None = None) -> dict:
     """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve."""
-    from modelopt.torch.distill.losses import LogitsDistillationLoss
-
     qad = params.qad
     check_student_matches_teacher(student_dir, params)
     world = join_world(params)
@@ -166,13 +279,15 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     student_device = world.device if sharded else input_device(getattr(student, "module", student))
     teacher_device = world.device if sharded or teacher is None else input_device(teacher)
     held = {"teacher_bytes": held_bytes(teacher) if teacher is not None else 0, "student_bytes": held_bytes(student)}
-    optimizer = torch.optim.AdamW(
-        [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay
-    )
+    optimizer = torch.optim.AdamW(  # fused: one kernel per step on a GPU (not with FSDP2's sharded tensors)
+        [p for p in student.parameters() if p.requires_grad], lr=qad.lr, weight_decay=qad.weight_decay,
+        fused=student_device.type == "cuda" and not sharded or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(qad))
-    kd_loss = LogitsDistillationLoss(temperature=qad.temperature, reduction="none")  # per token
     compute_dtype = compute_dtype_for(qad, student_device)
-    autocast = torch.autocast(student_device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16")
+    for model in [m for m in (student, teacher) if m is not None and qad.compile]:
+        compile_blocks(model)
+    qad_step = QADStep(qad, student, optimizer, scheduler, student_device, teacher, teacher_device, cache, world,
+                       sharded, compute_dtype, kd_loss.applies(qad, student, teacher, sharded))
 
     # A checkpoint resumes only the run that made it: same training parameters, same student files.
     student_files = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(student_dir.iterdir())]
@@ -185,40 +300,32 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     started = time.time()
     bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step",
                disable=world.rank != 0)
+    pending = []  # (step, its loss on its way to the host, event, lr): read one step late, not waited for
+
+    def read_losses(upto: int) -> None:
+        """Move the pending losses of steps <= `upto` into the curve; a NaN or infinite one stops training."""
+        while pending and pending[0][0] <= upto:
+            step_no, value, event, lr = pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            total = value.item()
+            if not math.isfinite(total):
+                saved = f"the last good checkpoint is {last}" if (last / "state.pt").is_file() else "no checkpoint yet"
+                raise QADDiverged(
+                    f"QAD loss is {total} at step {step_no}; training stopped ({saved}). "
+                    "Lower qad.lr or check the training text."
+                )
+            losses.append({"step": step_no, "loss": total, "lr": lr})
+            bar.set_postfix(loss=f"{total:.5f}")
+
     for step in bar:
-        total = 0.0
-        for _ in range(qad.grad_accum):
-            rows = world.rows(next(stream))  # this process's rows (window indices) of the global batch
-            batch = torch.from_numpy(windows[rows])
-            if cache is None:
-                with torch.no_grad():
-                    teacher_logits = teacher(input_ids=batch.to(teacher_device)).logits.float()
-                if sharded:
-                    teacher.reshard()  # FSDP2 keeps the root's gathered parameters for a backward that never comes
-            with autocast:
-                student_logits = student(input_ids=batch.to(student_device)).logits.float()
-            if cache is None:
-                per_token = kd_loss(student_logits, teacher_logits.to(student_logits.device))
-            else:
-                per_token = cache.loss(rows, student_logits, qad.temperature)
-            loss = per_token.mean() / qad.grad_accum
-            loss.backward()
-            total += loss.item()
-        total = world.mean(total)  # the global batch's loss
-        if not math.isfinite(total):
-            saved = f"the last good checkpoint is {last}" if (last / "state.pt").is_file() else "no checkpoint yet"
-            raise QADDiverged(
-                f"QAD loss is {total} at step {step + 1}; training stopped ({saved}). "
-                "Lower qad.lr or check the training text."
-            )
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append({"step": step + 1, "loss": total, "lr": scheduler.get_last_lr()[0]})
-        bar.set_postfix(loss=f"{total:.5f}")
+        total = train_step(qad_step, windows, stream)
+        pending.append((step + 1, *host_copy(total), scheduler.get_last_lr()[0]))
+        read_losses(step)  # the steps before this one: finished on the device by now
         if (step + 1) % qad.checkpoint_every == 0 and step + 1 < qad.steps:
+            read_losses(step + 1)  # every loss up to the checkpoint is finite before it is written
             save_checkpoint(last, world, student, optimizer, scheduler, step + 1, losses, run_key)
+    read_losses(qad.steps)
     seconds = time.time() - started
 
     tokens_per_step = qad.batch_size * qad.grad_accum * qad.seq_len

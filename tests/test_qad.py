@@ -205,3 +205,19 @@ def test_the_student_checks_honour_trust_remote_code(demo_model_path, monkeypatc
     assert [name for name, _ in seen].count("AutoTokenizer") == 2 and {name for name, _ in seen} == {
         "AutoConfig", "AutoTokenizer"}
     assert all(remote is True for _, remote in seen), seen
+
+
+def test_the_plan_prices_qad_with_a_measured_mfu_where_there_is_one(monkeypatch):
+    """costs.MEASURED_QAD_MFU replaces the assumed TRAIN_MFU for its GPU, and the plan says which it used."""
+    from qad_pipeline import costs
+    from qad_pipeline.memory_model import model_shape
+
+    params = load_params()
+    shape, flops = model_shape(params.base_model), 989e12
+    assumed = costs.seconds("qad", params, shape, flops, "H200")
+    assert costs.train_mfu("H200") == (costs.TRAIN_MFU, "assumed")
+    monkeypatch.setitem(costs.MEASURED_QAD_MFU, "H200", costs.TRAIN_MFU / 2)
+    assert costs.train_mfu("H200") == (costs.TRAIN_MFU / 2, "measured on H200")
+    assert costs.seconds("qad", params, shape, flops, "H200") == pytest.approx(2 * assumed)
+    assert costs.seconds("qad", params, shape, flops, "H100") == pytest.approx(assumed)
+    assert costs.target_gpu("8xH200") == "H200" and costs.target_gpu(None) is None
