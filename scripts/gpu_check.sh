@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check, one command on a CUDA machine with no network (at most 8 minutes): bash scripts/gpu_check.sh
+# GPU check, one command on a CUDA machine with no network (at most 9 minutes): bash scripts/gpu_check.sh
 #
 #   bash scripts/gpu_check.sh --download    # beforehand, where PyPI is reachable: the wheels of
 #                                           # scripts/gpu_wheels.txt into .gpu-wheels/ (git-ignored)
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 WHEELS=${GPU_CHECK_WHEELS:-.gpu-wheels}
 SITE=${GPU_CHECK_SITE:-/tmp/qad-gpu-check/site}
-LIMIT_S=${GPU_CHECK_LIMIT_S:-480}
+LIMIT_S=${GPU_CHECK_LIMIT_S:-540}
 PYTHON=${PYTHON:-python3}
 LIST=scripts/gpu_wheels.txt
 # The name==version lines of the list: `requirements 0` those with wheels on PyPI, `requirements 1`
