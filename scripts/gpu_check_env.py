@@ -30,14 +30,23 @@ def unmet_requirements(dists: list[str]) -> list[str]:
             req = Requirement(line)
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
-            try:
-                have = metadata.version(req.name)
-            except metadata.PackageNotFoundError:
-                problems.append(f"{dist} needs {req}: missing")
-                continue
-            if req.specifier and not req.specifier.contains(have, prereleases=True):
-                problems.append(f"{dist} needs {req}: {have} installed")
+            problem = unmet(req)
+            if problem:
+                problems.append(f"{dist} needs {req}: {problem}")
     return problems
+
+
+def unmet(req) -> str | None:
+    """Why the installed packages do not meet the `packaging` requirement `req` (None: they do)."""
+    from importlib import metadata
+
+    try:
+        have = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        return "missing"
+    if req.specifier and not req.specifier.contains(have, prereleases=True):
+        return f"{have} installed"
+    return None
 
 
 def wheel_names() -> list[str]:
@@ -82,16 +91,7 @@ def env_stage(device: str):
     wanted = pyproject["project"]["dependencies"]
     from packaging.requirements import Requirement
 
-    project_unmet = []
-    for line in wanted:
-        req = Requirement(line)
-        try:
-            have = metadata.version(req.name)
-        except metadata.PackageNotFoundError:
-            project_unmet.append(f"{req.name} (missing)")
-            continue
-        if req.specifier and not req.specifier.contains(have, prereleases=True):
-            project_unmet.append(f"{req.name} {have} (wants {req.specifier})")
+    project_unmet = [f"{req} ({problem})" for req in map(Requirement, wanted) if (problem := unmet(req))]
     carried = unmet_requirements(wheel_names())
     print("\n".join(f"    {line}" for line in lines))
     print("    project requirements not met here (the check runs without them):", ", ".join(project_unmet) or "none")
