@@ -27,11 +27,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
 from flows.stages import StageFailed, run_stage_process
-from qad_pipeline import gpus, processes
+from qad_pipeline import gpus, pools, processes
 from qad_pipeline.artifacts import list_files
 from qad_pipeline.config import Params, load_params, resolve
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import preflight
+from qad_pipeline.results.base import read_result
+from qad_pipeline.results.selection import SelectionResult
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
 from qad_pipeline.stages import STAGES, Stage, fill
 
@@ -52,6 +54,7 @@ class Job:
     threads: int = 1  # CPU threads per PTQ process
     gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.gpus)
     placed: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (summary key, the GPUs it claims first: gpus.layout)
+    job_gpus: tuple[tuple[str, int], ...] = ()  # (summary key, the GPUs its Job on a pool asks for: qad_pipeline.pools)
 
 
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
@@ -66,9 +69,13 @@ def _picked(data: dict, keys: tuple[str, ...]) -> dict:
 
 
 def _declared_path(template: str, params, layout: Layout, recipe: str | None) -> Path:
-    """A registry path: `${section.key}` paths are the params file's (relative to its folder), the
-    others the out-root's."""
+    """A registry path: `${section.key}` paths are the params file's (relative to its folder),
+    `{selected}/...` the selected candidate's folder (none selected: a path that does not exist),
+    the others the out-root's."""
     path = fill(template, recipe)
+    if path.startswith("{selected}"):
+        selected = layout.selection_metrics.is_file() and read_result(layout.selection_metrics, SelectionResult).selected
+        return (layout.candidate(selected) if selected else layout.root / "none-selected") / path.partition("/")[2]
     if "${" not in path:
         return layout.root / path
     values = params.model_dump()
@@ -76,9 +83,10 @@ def _declared_path(template: str, params, layout: Layout, recipe: str | None) ->
 
 
 def stage_cache_key(context, arguments: dict[str, Any]) -> str:
-    """A cached stage's inputs: its params keys, the files standing for its data inputs, its code
-    (the registry's import graph), the base model (file listing with sizes and times, or hub id
-    and revision) and the out-root. Unchanged inputs: Prefect takes the last result from cache."""
+    """A cached stage's inputs: its params keys, the files standing for its data inputs (`_identity`),
+    its code (the registry's import graph), the base model
+    (file listing with sizes and times, or hub id and revision) and the out-root. Unchanged inputs:
+    Prefect takes the last result from cache."""
     stage, recipe, job = STAGES[arguments["stage"]], arguments["recipe"], arguments["job"]
     params = load_params(Path(job.params_file), job.overrides)
     digest = hashlib.sha256(json.dumps(
@@ -87,11 +95,22 @@ def stage_cache_key(context, arguments: dict[str, Any]) -> str:
     files = [_declared_path(f, params, job.layout, recipe) for f in stage.fingerprints] + stage.code_files()
     for path in files:
         digest.update(str(path).encode())
-        digest.update(path.read_bytes() if path.is_file() else b"<missing>")
+        digest.update(_identity(path))
     model = resolve(params.base_model.path)
     if model.is_dir():
         digest.update(json.dumps(list_files(model)).encode())
     return f"{stage.run_name(recipe)}-{digest.hexdigest()[:32]}"
+
+
+def _identity(path: Path) -> bytes:
+    """What stands for one input in a cache key: a small file's bytes; a large file's (calibration
+    text) or a folder's files' names, sizes and times (read in a stat, not hours of hashing)."""
+    if path.is_dir():
+        return json.dumps(list_files(path)).encode()
+    if not path.is_file():
+        return b"<missing>"
+    stat = path.stat()
+    return path.read_bytes() if stat.st_size <= 2**20 else f"{stat.st_size}:{stat.st_mtime_ns}".encode()
 
 
 def outputs_present(stage: Stage, layout: Layout, recipe: str | None) -> bool:
@@ -118,7 +137,8 @@ def run_stage(stage: str, recipe: str | None, job: Job) -> float:
     declared = STAGES[stage]
     deployment, parameters = route(stage, recipe, job)
     if deployment:
-        return run_on_pool(deployment, declared.run_name(recipe), parameters, job)
+        return run_on_pool(deployment, declared.run_name(recipe), parameters, job,
+                           dict(job.job_gpus).get(declared.summary_key(recipe)))
     at_once = _ptq_slots.setdefault(job.at_once, threading.Semaphore(job.at_once)) if declared.per_recipe else nullcontext()
     prefer = dict(job.placed).get(declared.summary_key(recipe), ())
     with at_once, gpus.claim(len(prefer), job.gpus, declared.run_name(recipe), get_run_logger().info,
@@ -184,6 +204,7 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=sweep)
+    job_gpus = pools.for_run(params, recipe_deployment, stage_deployment, sweep)  # each pool can give its Jobs
     cap = capacity(params.hardware)
     placing = settled(params, cap, sweep=sweep or with_sweep(params))  # gpus_per_recipe as the plan settles it
     at_once = recipe_parallelism(placing, cap, sweep=sweep or with_sweep(params))
@@ -191,15 +212,17 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     runs = [(declared.name, item) for declared, item in planned(params, sweep_only=sweep)]
     placed = tuple(gpus.layout(runs, placing, seen, at_once).items()) if seen else ()
     return params, Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
-                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed)
+                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed, job_gpus)
 
 
-def run_on_pool(deployment: str, name: str, what: dict, job: Job) -> float:
-    """Run `deployment` (ptq-recipe/gpu or gpu-stage/gpu) for one stage and wait for it."""
+def run_on_pool(deployment: str, name: str, what: dict, job: Job, gpus: int | None = None) -> float:
+    """Run `deployment` (ptq-recipe/gpu or gpu-stage/gpu) for one stage and wait for it; `gpus`: its
+    Job's GPU request (the pool's job variable; None for a pool without it)."""
     from prefect.deployments import run_deployment
 
     run = run_deployment(
         deployment, flow_run_name=name, poll_interval=2,
+        job_variables={pools.GPU_VARIABLE: gpus} if gpus is not None else None,
         parameters={**what, "params_file": job.params_file, "overrides": job.overrides,
                     "out_root": str(job.layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
     )

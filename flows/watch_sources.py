@@ -9,9 +9,12 @@ the params file (a profile) and the overrides its runs get:
         overrides: ["qad.steps=200"]
       - hub_id: Qwen/Qwen3-30B-A3B-Base        # the id's newest revision is a checkpoint
         params_file: profiles/qwen3-30b-a3b_8xb200.yaml
+        stage_deployment: gpu-stage/gpu-8       # its GPU stages on another pool (larger nodes)
 
-`params_file` defaults to `params.yaml`, `overrides` to none. A run started for a checkpoint of a
-source gets
+`params_file` defaults to `params.yaml`, `overrides` to none; `recipe_deployment` and
+`stage_deployment`, when set, replace the pipeline deployment's own (which pool its recipes and GPU
+stages run on; the run's preflight checks that pool can give each stage its GPUs). A run started
+for a checkpoint of a source gets
 
     params_file  the source's params file as an absolute path, resolved in the watcher's working
                  directory (like `base_model`, the folder's absolute path: the pipeline's workers
@@ -23,7 +26,10 @@ source gets
     base_model   null, so that a default `base_model` of the deployment cannot replace the watched one
     out_root     runs_root/<model slug>-<first 12 hex of the identity's hash>
 
-The deployment's other defaults (`recipes`, `qad`, `recipe_deployment`, ...) apply as they are.
+    recipe_deployment, stage_deployment   the source's, when it sets them
+
+The deployment's other defaults (`recipes`, `qad`, the deployments a source leaves unset, ...) apply
+as they are.
 Every source is checked (`check_sources`) before a tick looks for checkpoints, and every run's
 own parameters (`check_run`) before the first run starts: the params file and overrides loaded
 with `qad_pipeline.config.load_params` (the pipeline's own pydantic models) and its recipes found
@@ -53,6 +59,8 @@ class WatchedSource(BaseModel):
     hub_id: str | None = None
     params_file: str = "params.yaml"
     overrides: list[str] = Field(default_factory=list)
+    recipe_deployment: str | None = None  # e.g. ptq-recipe/gpu: where its runs' recipes run
+    stage_deployment: str | None = None  # e.g. gpu-stage/gpu-4: where its runs' other GPU stages run
 
     @model_validator(mode="after")
     def _one_place(self) -> WatchedSource:
@@ -87,7 +95,9 @@ def run_parameters(source: WatchedSource, base_model: str, revision: str | None,
                    out_root: str) -> dict:
     """The parameters of the pipeline run for one checkpoint of `source` (module docstring)."""
     overrides = [*deployment_overrides, *source.overrides, *checkpoint_overrides(base_model, revision)]
-    return {"params_file": source.params_path(), "overrides": overrides, "base_model": None, "out_root": out_root}
+    pools = {key: value for key in ("recipe_deployment", "stage_deployment") if (value := getattr(source, key))}
+    return {"params_file": source.params_path(), "overrides": overrides, "base_model": None, "out_root": out_root,
+            **pools}
 
 
 def check_run(source: WatchedSource, parameters: dict) -> None:

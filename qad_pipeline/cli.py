@@ -338,18 +338,18 @@ def plan_command(
     weights; exit 2 if one cannot fit."""
     import json
 
-    from qad_pipeline import memory
+    from qad_pipeline import memory, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
         check_recipes(params)
         node = target or params.hardware.target
         cap = memory.target_capacity(node) if node else memory.capacity(params.hardware)
-        estimates = memory.plan(params, cap)
+        estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
     except ConfigError as err:
         _fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else memory.table(estimates, cap, params))
+               else "\n".join(filter(None, [memory.table(estimates, cap, params), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

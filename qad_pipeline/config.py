@@ -57,6 +57,7 @@ class HardwareParams(_Section):
     max_memory: dict[str, str] | None = None
     host_memory_gb: float | None = Field(default=None, gt=0)
     target: str | None = None  # the GPU node the stages run on when it is not this machine (qad_pipeline/targets.py)
+    pool_gpus: int | None = Field(default=None, ge=1)  # the most GPUs one Job of the GPU pool gets (qad_pipeline/pools.py)
 
     @field_validator("target")
     @classmethod

@@ -180,7 +180,7 @@ def test_secrets_reach_only_the_pods_that_need_them(overlay):
 def test_gpu_jobs_run_on_gpu_nodes_with_the_overlays_sizes(overlay):
     gpu = flow_run_job(overlay, "qad-gpu")["spec"]["template"]["spec"]
     (container,) = gpu["containers"]
-    assert container["resources"]["limits"][GPU] == container["resources"]["requests"][GPU] == "1"
+    assert container["resources"]["limits"][GPU] == container["resources"]["requests"][GPU] == 1  # the job variable gpus
     assert container["resources"]["requests"]["memory"] == EXPECTED[overlay]["gpu_memory_request"]
     assert gpu["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in gpu["tolerations"]
@@ -222,16 +222,19 @@ def with_component(tmp_path, component: str) -> tuple[dict, ...]:
 
 def test_gpu_pool_component_adds_a_pool_with_more_gpus(tmp_path):
     """An overlay with components/gpu-pool-4 (as a user adds it): a third worker and pool whose Jobs
-    request 4 GPUs, with the overlay's image and the MLflow credentials' Secret; the other pools keep one."""
+    may ask for up to 4 GPUs, with the overlay's image and the MLflow credentials' Secret; qad-gpu's
+    nodes have 8."""
     objs = with_component(tmp_path, "gpu-pool-4")
     assert set(workers(objs)) == {"qad-gpu", "qad-control", "qad-gpu-4"}
-    job = render_job(pool_template(objs, "qad-gpu-4"))
+    assert pool_template(objs, "qad-gpu-4")["variables"]["properties"]["gpus"]["maximum"] == 4
+    assert pool_template(objs, "qad-gpu")["variables"]["properties"]["gpus"]["maximum"] == 8
+    job = render_job(pool_template(objs, "qad-gpu-4"), {"gpus": 4})
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    assert container["resources"]["limits"][GPU] == container["resources"]["requests"][GPU] == "4"
+    assert str(container["resources"]["limits"][GPU]) == str(container["resources"]["requests"][GPU]) == "4"
     assert container["image"] == EXPECTED["external"]["image"]
     assert job["spec"]["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.present"] == "true"
     (one,) = render_job(pool_template(objs, "qad-gpu"))["spec"]["template"]["spec"]["containers"]
-    assert one["resources"]["limits"][GPU] == "1"
+    assert str(one["resources"]["limits"][GPU]) == "1", "a flow run that asks for nothing gets one GPU"
     # its Jobs get MLflow's credentials like every pool's; its worker does not
     assert MLFLOW_AUTH in secrets_used(job["spec"]["template"]["spec"])
     assert secrets_used(workers(objs)["qad-gpu-4"]["spec"]["template"]["spec"]) == SECRETS_OF["Deployment/prefect-worker-gpu"]
@@ -258,7 +261,7 @@ def test_multinode_qad_component_lets_the_qad_pod_launch_its_trainjob(tmp_path):
 
 
 @pytest.mark.parametrize("values, error", [
-    ({"memroy_request": "8Gi"}, "'memroy_request' is not a job variable of this template (valid: gpus, "),
+    ({"memroy_request": "8Gi"}, "'memroy_request' is not a job variable of this template (valid: active_deadline_seconds, "),
     ({"node_selector": "{gpu: yes"}, "node_selector: '{gpu: yes' is not JSON"),
     ({"tolerations": '{"key": "x"}'}, "tolerations: {'key': 'x'} is not of type 'array'"),
     ({"gpus": "0"}, "gpus: '0' is not a GPU count"),
@@ -298,6 +301,19 @@ def test_sync_work_pool_against_a_prefect_server(tmp_path, monkeypatch, capsys):
         assert pool.type == "kubernetes" and pool.base_job_template == pool_template(objs, "qad-gpu")
         client.update_work_pool("qad-gpu", WorkPoolUpdate(concurrency_limit=3))
         assert script.sync("qad-gpu", pool.base_job_template).endswith("unchanged")
+
+        # what the pipeline's preflight reads of the pool (qad_pipeline/pools.py), and what the server
+        # does with a flow run that asks for more GPUs than the pool's nodes have
+        from prefect.exceptions import PrefectHTTPStatusError
+
+        from qad_pipeline import pools
+
+        flow_id = client.create_flow_from_name("gpu-stage")
+        deployment = client.create_deployment(flow_id=flow_id, name="gpu", work_pool_name="qad-gpu")
+        assert pools.server_limits({"gpu-stage/gpu"}) == {"gpu-stage/gpu": 8}
+        assert client.create_flow_run_from_deployment(deployment, job_variables={"gpus": 8}).id
+        with pytest.raises(PrefectHTTPStatusError, match="greater than the maximum"):
+            client.create_flow_run_from_deployment(deployment, job_variables={"gpus": 9})
 
         (mount / "image").write_text("registry.example.com/ml/qad-pipeline:v2")
         assert script.main(["qad-gpu", str(template_file), str(mount)]) == 0

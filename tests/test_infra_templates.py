@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 
 import jsonschema
 import pytest
@@ -34,6 +35,8 @@ def sample_value(schema: dict):
     kind = next(o.get("type") for o in options if o.get("type") != "null")
     if "enum" in schema:
         return schema["enum"][-1]
+    if kind == "integer" and "maximum" in schema:
+        return schema["maximum"]
     return {"string": "2", "integer": 3600, "boolean": False, "object": {}, "array": []}[kind]
 
 
@@ -92,29 +95,40 @@ def test_rendered_job_is_a_valid_kubernetes_job(pool, variables):
     props = template(pool)["variables"]["properties"]
     values = {} if variables == "defaults" else {k: sample_value(v) for k, v in props.items() if k != "command"}
     manifest = render(pool, values)
-    errors = manifest_errors(manifest)
+    # the GPU count is the integer job variable `gpus`: Kubernetes reads a number as a quantity (NVIDIA's
+    # own manifests write `nvidia.com/gpu: 1`); only the Python client's model types quantities as str
+    errors = [e for e in manifest_errors(manifest)
+              if not re.search(r"\['nvidia.com/gpu'\]: str expected, got \d+$", e)]
     unknown = {e.split(":")[0] for e in errors if "no such field" in e}
     assert unknown == WORKER_REQUIRED_EXTRAS, errors
     assert all("no such field" in e for e in errors), errors
     for name, value in resource_quantities(pod_spec(manifest)):
-        assert isinstance(value, str) and QUANTITY.match(value), f"{name}: {value!r} is not a Kubernetes quantity"
+        count = name.endswith(GPU) and isinstance(value, int)
+        assert count or isinstance(value, str) and QUANTITY.match(value), f"{name}: {value!r} is not a Kubernetes quantity"
     container = pod_spec(manifest)["containers"][0]
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PREFECT_API_URL"] == API_URL, "the worker passes its API URL on"
     assert container["args"][:3] == ["prefect", "flow-run", "execute"]
 
 
-def test_every_gpu_job_requests_exactly_one_gpu():
+def test_a_gpu_job_requests_the_gpus_its_flow_run_asks_for_up_to_the_pools_maximum():
+    import jsonschema
+
     tpl = template("qad-gpu")
     raw = tpl["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"]
     assert len(raw) == 1
     for kind in ("limits", "requests"):
-        assert raw[0]["resources"][kind][GPU] == "1", f"{kind}: the GPU count is fixed in the manifest, not a variable"
-    for values in ({}, {"cpu_limit": "64", "memory_limit": "1Ti", "node_selector": {}, "tolerations": []}):
+        assert raw[0]["resources"][kind][GPU] == "{{ gpus }}", f"{kind}: the GPU count is the job variable gpus"
+    variable = tpl["variables"]["properties"]["gpus"]
+    assert (variable["type"], variable["default"], variable["minimum"]) == ("integer", 1, 0)
+    for values, count in (({}, 1), ({"gpus": 8, "cpu_limit": "64", "memory_limit": "1Ti"}, 8), ({"gpus": 0}, 0)):
         spec = pod_spec(render("qad-gpu", values))
-        gpus = [c["resources"]["limits"].get(GPU) for c in spec["containers"]]
-        assert gpus == ["1"], f"GPU limits of the rendered Job: {gpus}"
-        assert spec["containers"][0]["resources"]["requests"][GPU] == "1"
+        limits, requests = (spec["containers"][0]["resources"][kind][GPU] for kind in ("limits", "requests"))
+        assert str(limits) == str(requests) == str(count), f"GPUs of the rendered Job with {values}: {limits}, {requests}"
+    # what Prefect's server checks a flow run's job variables against: more than a node's GPUs is refused
+    jsonschema.validate({"gpus": variable["maximum"]}, tpl["variables"])
+    with pytest.raises(jsonschema.ValidationError, match="is greater than the maximum"):
+        jsonschema.validate({"gpus": variable["maximum"] + 1}, tpl["variables"])
     spec = pod_spec(render("qad-gpu", {}))
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
@@ -132,4 +146,4 @@ def test_the_two_templates_differ_only_in_the_gpu():
     for kind in ("limits", "requests"):
         del container["resources"][kind][GPU]
     assert gpu["job_configuration"] == control["job_configuration"]
-    assert gpu["variables"]["properties"].keys() == control["variables"]["properties"].keys()
+    assert gpu["variables"]["properties"].keys() == control["variables"]["properties"].keys() | {"gpus"}

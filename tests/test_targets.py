@@ -90,10 +90,14 @@ def test_readme_table_is_the_plan_of_the_shipped_configs():
     assert out in (PROJECT_ROOT / "README.md").read_text(), "README's plan table differs: run scripts/plan_targets.py"
 
 
-def test_a_deployment_run_is_checked_against_its_target_before_any_work(tmp_path):
+def test_a_deployment_run_is_checked_against_its_target_before_any_work(tmp_path, monkeypatch):
     """The run's own machine (a CPU-only control node) says nothing about its GPU workers;
     hardware.target does: QAD on more GPUs than the node has is refused up front."""
     from flows import runtime
+    from qad_pipeline import pools
+
+    # the pools' own limits come from Prefect's server (tests/test_pools.py); here, process pools without one
+    monkeypatch.setattr(pools, "server_limits", lambda deployments: dict.fromkeys(deployments))
 
     overrides = ["hardware.device=cuda", "export.serving_check=skip", "hardware.target=1xH100-80GB", "qad.num_gpus=2"]
     with pytest.raises(ConfigError, match=r"qad: runs on qad.num_gpus = 2 GPUs, the target 1xH100-80GB has 1"):

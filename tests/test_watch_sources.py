@@ -44,6 +44,10 @@ def test_a_run_gets_its_source_params_file_and_overrides_with_the_checkpoint_mer
     assert folder["params_file"] == str(tmp_path / "params.yaml") and len(folder["overrides"]) == 1
     assert load_params(PROJECT_PARAMS, folder["overrides"]).base_model.path == odd
 
+    # a source that sets the pools its runs use: they replace the deployment's; unset, the deployment's stay
+    pooled = run_parameters(WatchedSource(watch_dir="x", stage_deployment="gpu-stage/gpu-4"), odd, None, [], "runs/f")
+    assert pooled == {**folder, "stage_deployment": "gpu-stage/gpu-4"}
+
     assert legacy_sources("checkpoints", ["a/b"]) == [WatchedSource(watch_dir="checkpoints"),
                                                       WatchedSource(hub_id="a/b", params_file="params.yaml")]
 

@@ -11,8 +11,10 @@ folder is the pool's ConfigMap (`qad-pool-gpu`, `qad-pool-control`), one file pe
 - a job variable of the template (`image`, `memory_request`, `node_selector`, `tolerations`, ...)
   sets that variable's default: a string variable takes the text as it is, any other the text
   parsed as JSON. Kustomize's `images:` rewrites the `image` key; overlays merge the others.
-- `gpus` sets the `nvidia.com/gpu` request and limit written in the job manifest (not a
-  variable: no deployment can change it), only in a template that requests GPUs.
+- `gpus` is the GPUs of one node of the pool: the `maximum` of the template's `gpus` variable (the
+  Job's `nvidia.com/gpu` request and limit, which each flow run sets to what its stage needs:
+  qad_pipeline/pools.py), only in a template that has that variable. Prefect's server refuses a
+  flow run that asks for more, and the pipeline's preflight refuses the run before that.
 
 The namespace's default is the pod's own (POD_NAMESPACE, from the downward API): the worker's Role
 lets it run Jobs there only. The pool is created when missing; otherwise only its base job
@@ -49,7 +51,7 @@ def with_values(template: dict, values: dict[str, str], namespace: str | None = 
             set_gpus(out, text)
             continue
         if key not in props:
-            raise ValueError(f"{key!r} is not a job variable of this template (valid: gpus, {', '.join(sorted(props))})")
+            raise ValueError(f"{key!r} is not a job variable of this template (valid: {', '.join(sorted({*props, 'gpus'}))})")
         types = {option.get("type") for option in props[key].get("anyOf", [props[key]])}
         if types <= {"string", "null"}:
             props[key]["default"] = text
@@ -69,14 +71,14 @@ def with_values(template: dict, values: dict[str, str], namespace: str | None = 
 
 
 def set_gpus(template: dict, text: str) -> None:
+    """The pool's GPUs per node: the most one Job may ask for (its default is kept, capped at that)."""
     if not text.strip().isdigit() or int(text) < 1:
         raise ValueError(f"gpus: {text!r} is not a GPU count (a whole number, 1 or more)")
-    containers = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"]
-    resources = containers[0]["resources"]
-    if GPU not in resources.get("limits", {}):
+    variable = template["variables"]["properties"].get("gpus")
+    if variable is None:
         raise ValueError("gpus: this template requests no GPU (only a GPU pool's count can be changed)")
-    for kind in ("limits", "requests"):
-        resources[kind][GPU] = str(int(text))
+    variable["maximum"] = int(text)
+    variable["default"] = min(variable.get("default", 1), int(text))
 
 
 def sync(pool: str, template: dict) -> str:
