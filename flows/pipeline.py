@@ -22,10 +22,11 @@ pool never loads a model. How many recipes run at once here is `ptq.max_parallel
 the memory plan fits, `qad_pipeline.memory`).
 
 The baseline writes the BF16 reference distribution that every recipe's KL is measured against,
-so the recipes wait for it. A baseline or a recipe whose inputs (parameters, calibration data,
-base model, code, and for a recipe its file and the reference) are unchanged since its last
-successful run is taken from Prefect's cache instead of running again, so a re-run after a crash,
-or with only `selection.*` changed, runs only what is missing.
+so the recipes wait for it. Every stage but selection, the BPE curve and the race is cached (`Stage.cached`): one whose inputs
+(parameters, code, base model, and the files standing for its data: for a recipe its file and the
+reference, for QAD the selected checkpoint) are unchanged since its last successful run is taken
+from Prefect's cache instead of running again, so a re-run after a crash anywhere, or with only
+`selection.*` changed, runs only what is missing.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ class Stage:
     outputs: tuple[Output, ...]
     foreach: str | None = None  # a per-item stage: "ptq.recipes" (one per recipe) or "sweep.budgets" (per budget)
     gpu: bool = False  # a GPU-heavy stage: a flow run on the GPU pool when the flow has `stage_deployment`
-    cached: bool = False  # taken from Prefect's cache when its inputs are unchanged
+    cached: bool = False  # taken from Prefect's cache when its inputs are unchanged (flows/runtime.py: stage_cache_key)
     after_selection: bool = False  # runs on the selected candidate, when one was selected
     qad_only: bool = False  # runs only with selection.policy qad
     sweep: bool = False  # the BPE sweep's branch: `qad-pipeline sweep`; a pipeline run with selection.sweep set
@@ -79,7 +79,9 @@ class Stage:
     racing: bool = False  # runs only with race.enabled (racing the recipes)
     served: bool = False  # runs only with eval.backend vllm (scoring the export as vLLM serves it)
     may_fail: bool = False  # fails alone: the stages after it wait for it whatever its end and go on without it
-    fingerprints: tuple[str, ...] = ()  # cached: the files whose bytes stand for its data inputs
+    # cached: the files whose bytes stand for its data inputs (a folder: its files' names, sizes and times;
+    # `{selected}`: the selected candidate's folder, artifacts/ptq/<recipe> or artifacts/sweep/<budget>)
+    fingerprints: tuple[str, ...] = ()
     done: tuple[str, ...] = ()  # cached: the outputs a cached result points at (gone: run again)
     result: str | None = None  # the file its MLflow run is read from and holds (a per-item stage's: its own reader)
     schema: str | None = None  # that file's model, `module:Class`
@@ -168,6 +170,7 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                   "eval.seq_len", "eval.ppl_samples", "eval.num_cloze", "eval.num_continuation"),
           inputs=(MODEL, "${calibration.source}"),
           outputs=(Output("artifacts/calibration"),),
+          cached=True, fingerprints=("${calibration.source}",), done=("artifacts/calibration/manifest.json",),
           result="artifacts/calibration/manifest.json", schema="qad_pipeline.results.data:CalibrationManifest",
           mlflow="qad_pipeline.tracking.children:calibration_run",
           memory="qad_pipeline.memory_model:LIGHT_PROCESS_BASE"),
@@ -194,7 +197,8 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           params=("base_model", "calibration", "qad"),
           inputs=(MODEL, "${calibration.source}", "artifacts/calibration"),
           outputs=(Output("artifacts/teacher_cache", note="the teacher's top-k + tail over QAD's training windows"),),
-          gpu=True, qad_only=True, cached_teacher=True,
+          gpu=True, cached=True, qad_only=True, cached_teacher=True,
+          fingerprints=("artifacts/calibration/manifest.json",), done=("artifacts/teacher_cache/manifest.json",),
           memory="qad_pipeline.memory_model:teacher_cache_phases", knobs=("eval.batch_size",)),
     Stage("sweep_search", "tasks.sweep_search:main", after=("calibration",),
           params=("base_model", "ptq.recipe_dir", "ptq.calib_batch_size", "sweep.recipe"),
@@ -252,7 +256,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           outputs=(Output("artifacts/qad"),
                    Output("metrics/qad_loss.json", "plots", plot={
                        "x": "step", "y": "loss", "title": "QAD distillation loss (KL to the BF16 teacher)"})),
-          gpu=True, after_selection=True, qad_only=True,
+          gpu=True, cached=True, after_selection=True, qad_only=True,
+          fingerprints=("metrics/selection.json", "{selected}/checkpoint", "artifacts/calibration/manifest.json",
+                        "${calibration.source}", "${qad.source}", "artifacts/teacher_cache/manifest.json"),
+          done=("artifacts/qad/loss.json", "artifacts/qad/model", "metrics/qad_loss.json"),
           result="artifacts/qad/loss.json", schema="qad_pipeline.results.qad:QADTraining",
           mlflow="qad_pipeline.tracking.children:qad_run",
           memory="qad_pipeline.memory_model:qad_phases", knobs=("qad.batch_size", "qad.seq_len")),
@@ -261,7 +268,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(MODEL, EVAL_DATA, "artifacts/calibration", "artifacts/baseline", "artifacts/qad",
                   "metrics/baseline.json", "metrics/selection.json", "metrics/ptq"),
           outputs=(Output("metrics/qad.json", "metrics"), Output("artifacts/final_eval")),
-          gpu=True, after_selection=True, qad_only=True,
+          gpu=True, cached=True, after_selection=True, qad_only=True,
+          fingerprints=("artifacts/qad/loss.json", "metrics/selection.json", "artifacts/calibration/manifest.json",
+                        "artifacts/baseline/reference/manifest.json"),
+          done=("metrics/qad.json", "artifacts/final_eval"),
           result="metrics/qad.json", schema="qad_pipeline.results.qad:QADMetrics",
           mlflow="qad_pipeline.tracking.children:final_eval_run",
           memory="qad_pipeline.memory_model:final_eval_phases", knobs=("eval.batch_size",)),
@@ -270,7 +280,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
           inputs=(MODEL, "serving", "artifacts/calibration", "artifacts/qad", "artifacts/ptq", "artifacts/sweep",
                   "metrics/selection.json"),
           outputs=(Output("metrics/export.json", "metrics"), Output("artifacts/export", cleared=False)),
-          gpu=True, after_selection=True,
+          gpu=True, cached=True, after_selection=True,
+          fingerprints=("metrics/selection.json", "{selected}/checkpoint", "artifacts/qad/loss.json",
+                        "artifacts/calibration/manifest.json"),
+          done=("metrics/export.json", "artifacts/export"),
           result="metrics/export.json", schema="qad_pipeline.results.export:ExportMetrics",
           mlflow="qad_pipeline.tracking.children:export_run",
           memory="qad_pipeline.memory_model:export_phases", knobs=("eval.batch_size",)),
@@ -280,7 +293,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
                   "metrics/qad.json", "metrics/ptq"),
           outputs=(Output("metrics/served.json", "metrics"),
                    Output("artifacts/served_eval", note="per-item values of the BF16 model and the export, served")),
-          gpu=True, after_selection=True, served=True,
+          gpu=True, cached=True, after_selection=True, served=True,
+          fingerprints=("metrics/export.json", "metrics/qad.json", "artifacts/calibration/manifest.json",
+                        "artifacts/baseline/reference/manifest.json"),
+          done=("metrics/served.json",),
           result="metrics/served.json", schema="qad_pipeline.results.served:ServedEval",
           mlflow="qad_pipeline.tracking.children:served_eval_run",
           memory="qad_pipeline.memory_model:final_eval_phases", knobs=("eval.batch_size",)),

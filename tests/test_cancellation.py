@@ -1,8 +1,12 @@
-"""Cancelling a run: SIGTERM to `qad-pipeline run` stops every stage process and the temporary
-Prefect server within seconds, leaves nothing half-written and no RUNNING MLflow run, and the
-same command then resumes (the cached baseline is not run again); `kill -9` leaves no process of
-the run behind either (its watchdog stops the temporary server). Real processes, no mocks."""
+"""Stopping a run: SIGTERM to `qad-pipeline run` stops every stage process and the temporary
+Prefect server within seconds, leaves nothing half-written and no RUNNING MLflow run; `kill -9`
+leaves no process of the run behind either (its watchdog stops the temporary server and the stage);
+and the same command then resumes without running anything that finished again: killed in
+final_eval, then in the export, then in the served eval, every finished stage comes from Prefect's
+cache (no process: its usage file is untouched), QAD trains no step again, and the metrics are the
+first finish's. Real processes, no mocks."""
 
+import hashlib
 import signal
 import subprocess
 import sys
@@ -49,13 +53,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_every_process_and_the_same_command_resumes(tmp_path):
+def test_sigterm_stops_every_process_and_the_same_command_resumes_running_nothing_twice(tmp_path):
     from mlflow import MlflowClient
 
     root = tmp_path / "run"
     command = ["qad-pipeline", "run", "--params", str(PROJECT_PARAMS), "--out-root", str(root)]
-    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "selection.ptq_final_min=0.5",
-                 "export.source=none"]:  # the flow ends at selection: the stages after it have their own tests
+    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "eval.backend=vllm", "export.serving_check=skip"]:
         command += ["--set", item]
     # fake secrets in the environment: they must turn up in no output of the run
     env = {**tool_env(), "PREFECT_HOME": str(tmp_path / "prefect-home"), **SECRETS}
@@ -97,14 +100,12 @@ def test_sigterm_stops_every_process_and_the_same_command_resumes(tmp_path):
     assert {r.info.status for r in runs if r.data.tags.get("qad.kind") == "pipeline"} == {"KILLED"}
 
     baseline_usage = (root / "artifacts" / "logs" / "baseline.usage.json").stat().st_mtime_ns
-    again = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert (root / "metrics" / "selection.json").is_file()
+    consoles = [output, *resume_killed_after_qad(command, env, root, tmp_path)]
     assert (root / "artifacts" / "ptq" / RECIPE / "checkpoint").is_dir()
-    # the baseline finished before the stop: the re-run takes it from Prefect's cache
+    # the baseline finished before the stop: every later run takes it from Prefect's cache
     assert (root / "artifacts" / "logs" / "baseline.usage.json").stat().st_mtime_ns == baseline_usage
 
-    outputs = {"console": (output + again.stdout + again.stderr).encode()}
+    outputs = {"console": "".join(consoles).encode()}
     for path in [*root.rglob("*"), *(tmp_path / "prefect-home").rglob("*")]:  # stage logs, MLflow, Prefect's db
         if path.is_file() and path.stat().st_size < 200 * 2**20:
             outputs[str(path)] = path.read_bytes()
@@ -128,36 +129,78 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_kill_9_of_the_run_leaves_neither_the_temporary_server_nor_a_stage_running(tmp_path):
-    root = tmp_path / "run"
-    command = ["qad-pipeline", "run", "--params", str(PROJECT_PARAMS), "--out-root", str(root)]
-    for item in [*TINY, f"ptq.recipes=[{RECIPE}]", "selection.policy=ptq_final", "export.source=none"]:
-        command += ["--set", item]
-    env = {**tool_env(), "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    env.pop("PREFECT_API_URL", None)  # the run's own temporary server
-    log = (tmp_path / "run.log").open("w")
-    run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 120
-    while True:  # Prefect's temporary server (uvicorn) and the first stage process are up
-        lines = {pid: cmdline(pid) for pid in descendants(run.pid)}
-        if any("uvicorn" in line for line in lines.values()) and any(" stage " in line for line in lines.values()):
-            break
-        assert run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
-        assert time.time() < deadline, f"no temporary server and stage process after 120 s: {lines}"
-        time.sleep(0.5)
-    time.sleep(2)  # the watchdog has seen them (it looks every second)
-    seen = {pid: start_time(pid) for pid in descendants(run.pid)}
-    run.kill()
-    run.wait()
-    log.close()
+STAGES = ("calibration", "baseline", f"ptq-{RECIPE}", "selection", "qad", "final_eval", "export", "served_eval")
 
-    def left() -> list[str]:
-        return [cmdline(p)[:120] for p, started in seen.items() if alive(p) and start_time(p) == started]
 
-    deadline = time.time() + 5
-    while left() and time.time() < deadline:
-        time.sleep(0.2)
-    assert not left(), f"still running 5 s after the run was killed: {left()}"
+def usage(root: Path) -> dict[str, int]:
+    """When each stage process last finished (its usage file, written as it ends)."""
+    logs = root / "artifacts" / "logs"
+    return {name: (logs / f"{name}.usage.json").stat().st_mtime_ns for name in STAGES
+            if (logs / f"{name}.usage.json").is_file()}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_until(command: list[str], env: dict, log_path: Path, root: Path, stage: str | None = None) -> str:
+    """Run the command to its end, or `kill -9` it as soon as `stage`'s process has started; then
+    no process of the run is left within 5 s (the temporary server and the stage included)."""
+    with log_path.open("w") as log:
+        run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        started, deadline = root / "artifacts" / "logs" / f"{stage}.log", time.time() + 900
+        while stage and not started.is_file():
+            assert run.poll() is None, f"ended before {stage} started:\n{log_path.read_text()[-3000:]}"
+            assert time.time() < deadline, f"{stage} never started"
+            time.sleep(0.2)
+        if stage:
+            time.sleep(1)  # the watchdog (it looks every second) has seen the stage process
+            seen = {pid: start_time(pid) for pid in descendants(run.pid)}
+            assert any("uvicorn" in cmdline(p) for p in seen) and any(" stage " in cmdline(p) for p in seen), seen
+            run.kill()
+        code = run.wait(timeout=900)
+    text = log_path.read_text()
+    assert code == (-signal.SIGKILL if stage else 0), text[-3000:]
+    if stage:
+        def left() -> list[str]:
+            return [cmdline(p)[:120] for p, at in seen.items() if alive(p) and start_time(p) == at]
+
+        deadline = time.time() + 5
+        while left() and time.time() < deadline:
+            time.sleep(0.2)
+        assert not left(), f"still running 5 s after the run was killed in {stage}: {left()}"
+    return text
+
+
+def cached(console: str, stage: str) -> bool:
+    return f"Task run '{stage}' - Finished in state Cached" in console
+
+
+def resume_killed_after_qad(command: list[str], env: dict, root: Path, tmp_path: Path) -> list[str]:
+    """The same command: killed (-9) in final_eval, in the export, in the served eval, then to its end;
+    no finished stage runs again, QAD trains no step again. Returns the consoles."""
+    loss, scores, exported = (root / "artifacts" / "qad" / "loss.json", root / "metrics" / "qad.json",
+                              root / "metrics" / "export.json")
+    first = run_until(command, env, tmp_path / "2.log", root, "final_eval")
+    trained, before = digest(loss), usage(root)
+    assert "qad" in before and "final_eval" not in before
+
+    second = run_until(command, env, tmp_path / "3.log", root, "export")
+    assert cached(second, "qad") and digest(loss) == trained and usage(root)["qad"] == before["qad"], (
+        "QAD trained again after a kill in final_eval")
+    evaluated, before = digest(scores), usage(root)
+
+    third = run_until(command, env, tmp_path / "4.log", root, "served_eval")
+    for stage in ("calibration", "baseline", f"ptq-{RECIPE}", "qad", "final_eval"):
+        assert cached(third, stage) and usage(root)[stage] == before[stage], f"{stage} ran again after a kill in export"
+    packed, before = digest(exported), usage(root)
+
+    last = run_until(command, env, tmp_path / "5.log", root)
+    for stage in ("calibration", "baseline", f"ptq-{RECIPE}", "qad", "final_eval", "export"):
+        assert cached(last, stage) and usage(root)[stage] == before[stage], f"{stage} ran again after a kill in served_eval"
+    assert usage(root)["served_eval"] > before.get("served_eval", 0) and (root / "metrics" / "served.json").is_file()
+    assert (digest(loss), digest(scores), digest(exported)) == (trained, evaluated, packed), "the metrics changed"
+    return [first, second, third, last]
 
 
 def test_watchdog_ends_with_its_run_and_stops_only_what_the_run_left_behind():

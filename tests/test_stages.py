@@ -239,3 +239,36 @@ def test_the_race_runs_between_the_recipes_and_selection_only_when_racing(monkey
     assert "race:None" in submitted[("selection", None)]
     assert {f"ptq:{r}" for r in params.ptq.recipes} <= set(submitted[("race", None)])
     assert [p for p in memory.plan(params) if p.stage == "race"]  # one model at a time, like final_eval
+
+
+def test_every_stage_that_loads_a_model_or_writes_a_checkpoint_is_cached_with_what_stands_for_its_inputs(tmp_path):
+    """Nothing finished runs twice (tests/test_cancellation.py runs it): every stage is cached but the
+    light ones that read the others' scores and the race, which resumes from its own rounds; each
+    cached stage names the outputs its cached result needs, and its fingerprints resolve to the
+    run's files, `{selected}` to the selected candidate's folder."""
+    from flows.runtime import _declared_path, stage_cache_key
+    from qad_pipeline.layout import Layout
+    from qad_pipeline.results.base import write_result
+    from qad_pipeline.results.selection import SelectionResult
+
+    assert {n for n, s in STAGES.items() if not s.cached} == {"bpe_sweep", "race", "selection"}
+    assert all(s.done for s in STAGES.values() if s.cached)
+    layout, params = Layout(tmp_path), load_params(PROJECT_PARAMS)
+    assert _declared_path("{selected}/checkpoint", params, layout, None) == tmp_path / "none-selected" / "checkpoint"
+    write_result(layout.selection_metrics, SelectionResult(
+        selected="r1@5.5", policy="qad", band=(0.9, 1.0), reason="", table=[], runner_up=None,
+        could_compress_further=False))
+    assert _declared_path("{selected}/checkpoint", params, layout, None) == layout.sweep("5.5") / "checkpoint"
+
+    # the QAD key moves with the selected checkpoint's files, and only then
+    class Job:
+        params_file, overrides = str(PROJECT_PARAMS), []
+    Job.layout = layout
+    key = lambda: stage_cache_key(None, {"stage": "qad", "recipe": None, "job": Job})  # noqa: E731
+    checkpoint = layout.sweep("5.5") / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(b"one")
+    before = key()
+    assert key() == before
+    (checkpoint / "model.safetensors").write_bytes(b"two!")  # a PTQ run again: other bytes
+    assert key() != before
