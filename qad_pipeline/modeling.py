@@ -1,8 +1,9 @@
 """Loading the base model and its tokenizer, with the checks that must pass before heavy work.
 
 `check_base_model` reads only the model's config (cheap, no weights) and fails with one clear line
-when the path does not exist, the model is not a causal LM, or a sequence length exceeds the
-model's maximum; `check_model_files` reads a local folder's weight files' headers (no tensors) and
+when the path does not exist, a hub model cannot be had (offline and not cached, gated without
+access, unreachable: `qad_pipeline.hub_access`), the model is not a causal LM, or a sequence length
+exceeds the model's maximum; `check_model_files` reads a local folder's weight files' headers (no tensors) and
 refuses a truncated file or one that does not match its index. `load_model` then loads the weights in the configured dtype, where the
 `hardware` section says: every stage (baseline, PTQ, QAD, final eval, export) loads through it.
 
@@ -34,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from qad_pipeline.artifacts import folder_sha256
 from qad_pipeline.config import PROJECT_ROOT, BaseModelParams, ConfigError, HardwareParams, looks_local, resolve
+from qad_pipeline.hub_access import check_hub_access
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -83,7 +85,10 @@ def max_positions(config) -> int | None:
 
 
 def check_base_model(params: BaseModelParams, seq_lens: dict[str, int]) -> None:
-    """Fail fast on a missing path, a model that is not a causal LM, or a too-long sequence."""
+    """Fail fast on a missing path, a hub model the stages could not download (`check_hub_access`),
+    a model that is not a causal LM, or a too-long sequence."""
+    if not Path(model_location(params)).exists():  # a hub id
+        check_hub_access(params)
     config = load_config(params)
     archs = getattr(config, "architectures", None) or []
     if archs:  # what the checkpoint holds, e.g. BertModel, even where the model type has an LM head

@@ -262,6 +262,20 @@ def test_a_folder_without_weights_is_refused(tmp_path):
     assert "holds no weight files" in refused(tmp_path / "out", "--base-model", str(model))
 
 
+# a hub model the stages could not download (more cases: tests/test_hub_access.py); the second
+# ships a config for planning offline (profiles/configs), which once let it through
+@pytest.mark.parametrize("hub_id", ["org/not-cached-model", "meta-llama/Llama-3.1-8B"])
+def test_a_hub_model_offline_and_not_cached_is_refused(hub_id, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert refused(tmp_path / "out", "--base-model", hub_id) == (
+        f"error: base_model.path {hub_id!r} is a hub id, HF_HUB_OFFLINE is set and its weights are not in the local "
+        f"cache: give a local folder as base_model.path, or download it into the Hugging Face cache "
+        f"{tmp_path / 'empty-cache'} (`hf download {hub_id}`), or unset HF_HUB_OFFLINE")
+
+
 # -- the calibration source: exists, decodes, yields the samples asked for -----------------------
 
 

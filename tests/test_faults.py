@@ -22,6 +22,7 @@ import time
 import pytest
 
 from qad_pipeline.artifacts import read_json
+from qad_pipeline.config import PROJECT_ROOT
 from qad_pipeline.layout import Layout
 from tests.conftest import GOOD_RECIPES
 
@@ -137,20 +138,70 @@ def fill_disk(where, leave: int = 0) -> None:
             pass
 
 
+class TmpfsDisk:
+    """A 48 MiB tmpfs (root only): a real disk, filled by a file the test writes."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def too_small(self, cmd) -> subprocess.CompletedProcess:
+        fill_disk(self.folder, leave=2**20)  # too little room from the start
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        finally:
+            (self.folder / "filler").unlink()
+
+    def fills_up(self, cmd, staged: str) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while not glob.glob(staged):  # room enough at the start; the disk fills up while the export is written
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        fill_disk(self.folder)
+        try:
+            out, err = proc.communicate(timeout=900)
+        finally:
+            (self.folder / "filler").unlink()
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+class SimulatedDisk:
+    """A disk simulated in the stage's process (tests/full_disk.py): any user, no mount."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def run(self, cmd, free: int, writable: int) -> subprocess.CompletedProcess:
+        assert cmd[1:3] == ["-m", "qad_pipeline"]
+        wrapped = [cmd[0], "-m", "tests.full_disk", str(self.folder), str(free), str(writable), *cmd[3:]]
+        return subprocess.run(wrapped, capture_output=True, text=True, timeout=900, cwd=PROJECT_ROOT)
+
+    def too_small(self, cmd) -> subprocess.CompletedProcess:
+        return self.run(cmd, free=2**20, writable=2**20)
+
+    def fills_up(self, cmd, staged: str) -> subprocess.CompletedProcess:
+        return self.run(cmd, free=2**40, writable=2**16)  # the check passes; the first weights file fills it
+
+
+# A real tmpfs where the tests run as root (CI), the simulated disk elsewhere: nothing is skipped.
+# QAD_TEST_DISK=simulated runs the simulated one as root too (tests/test_full_disk.py checks it on CI).
+DISK = os.environ.get("QAD_TEST_DISK") or ("tmpfs" if os.geteuid() == 0 else "simulated")
+
+
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 48 MiB tmpfs (needs root, as on CI): a disk the test can fill."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(folder)]).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    yield folder
+    if DISK == "simulated":
+        yield SimulatedDisk(folder)
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(folder)], check=True)
+    yield TmpfsDisk(folder)
     subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
 def test_a_full_disk_during_export_is_one_line_and_the_previous_export_stays(pipeline_run, small_disk):
     _, source, overrides, _ = pipeline_run
-    layout = Layout(small_disk / "run")
+    layout = Layout(small_disk.folder / "run")
     shutil.copytree(source.root, layout.root, ignore=shutil.ignore_patterns("qad_checkpoints", "mlflow.db", "mlruns",
                                                                           "mlartifacts", "ptq"))
     cmd = command(layout, [*overrides, "export.serving_check=skip"], "export")
@@ -164,18 +215,9 @@ def test_a_full_disk_during_export_is_one_line_and_the_previous_export_stays(pip
         assert tree_digest(layout.export) == previous  # the previous export, byte for byte
         assert not list(layout.root.rglob("*.partial")) and not list(layout.root.rglob(".*.tmp"))
 
-    fill_disk(small_disk, leave=2**20)  # too little room from the start: refused before anything is written
-    intact(subprocess.run(cmd, capture_output=True, text=True, timeout=900), "not enough disk space for the export")
-
-    (small_disk / "filler").unlink()  # room enough at the start; the disk fills up while the export is written
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not glob.glob(str(layout.export.parent / ".export.*.partial")):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    fill_disk(small_disk)
-    out, err = proc.communicate(timeout=900)
-    intact(subprocess.CompletedProcess(cmd, proc.returncode, out, err), "filled up while the export was written")
-
-    (small_disk / "filler").unlink()
+    # refused before anything is written
+    intact(small_disk.too_small(cmd), "not enough disk space for the export")
+    staged = str(layout.export.parent / ".export.*.partial")
+    intact(small_disk.fills_up(cmd, staged), "filled up while the export was written")
     run_to_end(cmd)  # with the space back, the same command completes
     assert read_json(layout.export_metrics)["passed"]

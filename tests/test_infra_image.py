@@ -1,15 +1,23 @@
 """Offline checks of infra/ (no Docker, cluster or network): every file parses; the image builds the
-project on a CUDA PyTorch; the Prefect and MLflow versions agree across the image, compose and workers."""
+project on a CUDA PyTorch; the Prefect and MLflow versions agree across the image, compose and workers;
+the image's own checks (scripts/check_image.py) pass here and fail on what they are for."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
+import importlib.util
 import json
+import os
 import re
 import shlex
+import subprocess
+import sys
 
+import pytest
 import yaml
 from packaging.version import Version
 
+from qad_pipeline.stages import STAGES
 from tests.infra_commands import shell_commands
 from tests.infra_files import INFRA, K8S, ROOT, WORKERS, compose, docker_args, dockerfile, pyproject, requirement, yaml_docs
 
@@ -112,3 +120,108 @@ def test_dockerfile_builds_the_project_on_cuda_torch():
     assert users and users[-1] not in ("root", "0"), "run as a non-root user"
     ignore = (INFRA / "Dockerfile.dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignore)
+
+
+# ---------------------------------------------------------------------------------------------
+# the image's checks: scripts/check_image.py, which the Dockerfile runs after installing
+
+CHECK_IMAGE = ROOT / "scripts" / "check_image.py"
+
+
+@pytest.fixture(scope="module")
+def check_image():
+    spec = importlib.util.spec_from_file_location("check_image", CHECK_IMAGE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torch_pins(path) -> str:
+    """A constraints file as the Dockerfile writes it: the torch family as installed here."""
+    have = {d.metadata["Name"].lower(): d.version for d in md.distributions()}
+    pins = [f"{n}=={have[n]}" for n in ("torch", "torchvision", "torchaudio", "triton", "pytorch-triton") if n in have]
+    path.write_text("\n".join(pins) + "\n")
+    return str(path)
+
+
+def test_dockerfile_runs_the_image_check_after_installing():
+    runs = [rest for word, rest in dockerfile() if word == "RUN"]
+    # the command after a shell keyword (`if ...; then CMD; else CMD; fi`)
+    commands = [argv[1:] if argv[0] in ("then", "else") else argv for run in runs for argv in shell_commands(run)]
+    checks = [i for i, argv in enumerate(commands) if argv[:2] == ["python", "scripts/check_image.py"]]
+    installs = [i for i, argv in enumerate(commands) if "pip" in argv and "--no-deps" in argv]
+    assert checks and installs and min(checks) > max(installs), "the check runs after the project is installed"
+    for i in checks:
+        assert commands[i][2:4] == ["--constraints", "$QAD_TORCH_CONSTRAINTS"], commands[i]
+    assert any("--vllm-env" in commands[i] for i in checks), "the vLLM environment is checked when it is built"
+    assert not [argv for argv in commands if argv[:2] == ["python", "-c"] and "import qad_pipeline." in argv[2]], (
+        "the entry points are checked by scripts/check_image.py, not by an inline import list")
+    copied = [shlex.split(rest)[:-1] for word, rest in dockerfile() if word == "COPY"]
+    assert any(s.rstrip("/") == "scripts" for sources in copied for s in sources)
+
+
+def test_the_image_check_lists_every_entry_point_from_the_tree(check_image):
+    listed = check_image.entry_points()
+    modules = {ref.partition(":")[0] for ref in listed}
+    for package in ("tasks", "flows"):
+        files = {p.stem for p in (ROOT / package).glob("*.py") if p.stem != "__init__"}
+        assert {f"{package}.{name}" for name in files} <= modules
+    assert {s.entry for s in STAGES.values()} <= set(listed)
+    assert "qad_pipeline.cli:app" in listed
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    assert {d["entrypoint"] for d in deployments} <= set(listed)
+
+
+def test_the_image_check_passes_in_the_test_environment(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "QAD_VLLM_ENV"}
+    done = subprocess.run([sys.executable, str(CHECK_IMAGE), "--constraints", torch_pins(tmp_path / "pins.txt")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.strip() == ""
+    assert re.fullmatch(r"image check passed: \d+ entry points import; `qad-pipeline --help` runs; "
+                        r"the pins of .*pins\.txt are installed", done.stdout.strip())
+
+
+def test_the_image_check_fails_with_one_line_per_problem(check_image, tmp_path, monkeypatch, capsys):
+    """A moved module (the Dockerfile's old `qad_pipeline.flows.pipeline`) and a replaced torch."""
+    monkeypatch.delenv("QAD_VLLM_ENV", raising=False)
+    monkeypatch.setattr(check_image, "entry_points", lambda: ["qad_pipeline.stages:STAGES"])
+    bad = tmp_path / "pins.txt"
+    bad.write_text("torch==0.0.1\n")
+    code = check_image.main(["--constraints", str(bad), "--module", "qad_pipeline.flows.pipeline",
+                             "--module", "tasks.ptq:no_such_function"])
+    out = capsys.readouterr()
+    assert code == 1
+    assert out.out == ""
+    assert out.err.splitlines() == [
+        "entry point qad_pipeline.flows.pipeline does not import: ModuleNotFoundError: "
+        "No module named 'qad_pipeline.flows'",
+        "entry point tasks.ptq:no_such_function: module tasks.ptq imports but has no no_such_function",
+        f"torch {md.version('torch')} is installed, {bad} pins 0.0.1: a dependency replaced the base image's build",
+    ]
+
+
+def test_the_image_check_refuses_a_missing_or_broken_vllm_environment(check_image, tmp_path, monkeypatch):
+    missing = tmp_path / "missing"
+    assert check_image.vllm_failures(missing) == [
+        f"no vLLM environment at {missing} (no {missing}/bin/python): create it with "
+        f"`qad-pipeline setup-vllm --env {missing}`"]
+    broken = tmp_path / "broken"  # a Python without vLLM
+    (broken / "bin").mkdir(parents=True)
+    (broken / "bin" / "python").symlink_to(sys.executable)
+    assert check_image.vllm_failures(broken) == [
+        f"the vLLM environment {broken} does not import vllm: run `qad-pipeline setup-vllm --env {broken}`"]
+    # checked when asked: --vllm-env, --vllm, or $QAD_VLLM_ENV set
+    monkeypatch.delenv("QAD_VLLM_ENV", raising=False)
+    assert check_image.vllm_to_check(check_image.parse_args([])) is None
+    assert check_image.vllm_to_check(check_image.parse_args(["--vllm-env", str(broken)])) == broken
+    monkeypatch.setenv("QAD_VLLM_ENV", str(missing))
+    assert check_image.vllm_to_check(check_image.parse_args([])) == missing
+
+
+@pytest.mark.slow
+def test_the_image_check_passes_on_the_vllm_environment_of_setup_vllm(check_image):
+    """The environment `qad-pipeline setup-vllm` made (the README's test command makes it) imports vLLM."""
+    from qad_pipeline.serving import vllm_env
+
+    assert check_image.vllm_failures(vllm_env()) == []

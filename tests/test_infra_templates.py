@@ -14,14 +14,19 @@ import pytest
 
 from tests.infra_files import (
     GPU,
+    INFRA,
     NEEDS_PREFECT_KUBERNETES,
+    OVERLAYS,
+    ROOT,
     QUANTITY,
     TEMPLATES,
     WORKER_REQUIRED_EXTRAS,
     manifest_errors,
     pod_spec,
+    env_file,
     resource_quantities,
     template,
+    yaml_docs,
 )
 from tests.infra_kustomize import API_URL, render_job
 
@@ -147,3 +152,20 @@ def test_the_two_templates_differ_only_in_the_gpu():
         del container["resources"][kind][GPU]
     assert gpu["job_configuration"] == control["job_configuration"]
     assert gpu["variables"]["properties"].keys() == control["variables"]["properties"].keys() | {"gpus"}
+
+
+def test_hf_token_reaches_the_pods_from_the_secret_the_docs_create():
+    """The pods' HF_TOKEN (gated models) comes from the Secret named by `hf_secret_name`: the trial
+    overlay generates that Secret with the key, and the docs say how to create it under that name."""
+    defaults = {template(pool)["variables"]["properties"]["hf_secret_name"]["default"] for pool in TEMPLATES}
+    assert len(defaults) == 1, "both pools read the same Secret"
+    (name,) = defaults
+    for pool in TEMPLATES:
+        (container,) = template(pool)["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"]
+        assert {"secretRef": {"name": "{{ hf_secret_name }}"}} in container["envFrom"], pool
+    (trial,) = yaml_docs(OVERLAYS["trial"] / "kustomization.yaml")
+    (generator,) = [g for g in trial["secretGenerator"] if g["name"] == name]
+    assert [set(env_file(OVERLAYS["trial"] / f)) for f in generator["envs"]] == [{"HF_TOKEN"}]
+    create = f"create secret generic {name} --from-literal=HF_TOKEN="
+    for doc in (INFRA / "README.md", ROOT / "README.md", OVERLAYS["external"] / "kustomization.yaml"):
+        assert create in doc.read_text(), f"{doc} does not say how to create the Secret {name} with HF_TOKEN"

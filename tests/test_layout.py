@@ -94,3 +94,9 @@ def test_no_module_over_400_lines():
     long = {str(p.relative_to(PROJECT_ROOT)): n for folder in folders for p in (PROJECT_ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    block = readme.split("**Fresh machine, run the tests:**", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert block.strip() in (PROJECT_ROOT / ".ci" / "run").read_text(), "README's test command is not what .ci/run runs"
