@@ -92,6 +92,19 @@ DVC_YAML_HEADER = """\
 """
 
 
+def write_dvc_yaml(params_file: Path, check: bool = False) -> tuple[bool, str]:
+    """`qad-pipeline dvc-yaml`: dvc.yaml beside `params_file`, written unless `check` or current;
+    (was it current?, the line to print)."""
+    params = load_params(params_file)
+    path, text = params_file.resolve().parent / "dvc.yaml", dvc_yaml(params)
+    current = path.is_file() and path.read_text() == text
+    if check:
+        return current, f"{path} is {'current' if current else 'out of date: run `qad-pipeline dvc-yaml`'}"
+    if not current:
+        path.write_text(text)
+    return current, f"{path}: {'unchanged' if current else 'written'} ({len(dvc_stages(params))} stages)"
+
+
 def _yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=200).strip().removesuffix("\n...")
 
