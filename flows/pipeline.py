@@ -70,7 +70,8 @@ def qad_pipeline(
     Every parameter overrides params.yaml, which holds the defaults: `base_model` (a local folder
     or hub id), `recipes` (names in ptq.recipe_dir), `qad` (e.g. {"steps": 80, "lr": 5e-5}) and
     `overrides` (any `section.key=value`). `params_file` is relative to the working directory;
-    `out_root` defaults to its folder. `recipe_deployment` (e.g. "ptq-recipe/gpu") runs each recipe
+    `out_root` defaults as `qad_pipeline.layout.output_root` says (`runs/<params stem>` for the
+    image's own params files). `recipe_deployment` (e.g. "ptq-recipe/gpu") runs each recipe
     as a flow run of that deployment instead of a process here; `stage_deployment` (e.g.
     "gpu-stage/gpu") does the same for the GPU-heavy stages (and the recipes, without a
     `recipe_deployment`). Returns the run summary (`results.RunSummary`, as JSON).

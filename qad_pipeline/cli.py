@@ -308,20 +308,14 @@ def dvc_yaml_command(
 ) -> None:
     """Write dvc.yaml beside the params file, from the stage registry (qad_pipeline/stages.py) and
     the params (the BPE sweep's stages only when they ask for it)."""
-    from qad_pipeline.versioning import dvc_stages, dvc_yaml
+    from qad_pipeline.versioning import write_dvc_yaml
 
     try:
-        params = load_params(Path(params_file))
+        current, line = write_dvc_yaml(Path(params_file), check)
     except ConfigError as err:
         _fail(err)
-    path, text = Path(params_file).resolve().parent / "dvc.yaml", dvc_yaml(params)
-    current = path.is_file() and path.read_text() == text
-    if check:
-        typer.echo(f"{path} is {'current' if current else 'out of date: run `qad-pipeline dvc-yaml`'}")
-        raise typer.Exit(0 if current else 1)
-    if not current:
-        path.write_text(text)
-    typer.echo(f"{path}: {'unchanged' if current else 'written'} ({len(dvc_stages(params))} stages)")
+    typer.echo(line)
+    raise typer.Exit(0 if current or not check else 1)
 
 
 @app.command("plan")
@@ -329,16 +323,18 @@ def plan_command(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     overrides: SetOpt = None,
     base_model: BaseOpt = None,
+    out_root: RootOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as a JSON list of stage objects")] = False,
     target: Annotated[str | None, typer.Option(
         "--target", help="plan for this GPU node instead of this machine, e.g. 8xH100-80GB or 4xB200-180GB,2TiB-host "
                          "[default: hardware.target]")] = None,
 ) -> None:
     """Print each stage's GPUs, estimated peak host and GPU memory, disk and time, reading no
-    weights; exit 2 if one cannot fit."""
+    weights, then the out-root and all the disk a run takes (qad_pipeline/disk_plan.py); exit 2 if
+    a stage cannot fit."""
     import json
 
-    from qad_pipeline import memory, pools
+    from qad_pipeline import disk_plan, memory, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
@@ -346,10 +342,12 @@ def plan_command(
         node = target or params.hardware.target
         cap = memory.target_capacity(node) if node else memory.capacity(params.hardware)
         estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
+        items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
+        disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)
     except ConfigError as err:
         _fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else "\n".join(filter(None, [memory.table(estimates, cap, params), on_pool])))
+               else "\n".join(filter(None, [memory.table(estimates, cap, params), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

@@ -20,5 +20,7 @@ BaseOpt = Annotated[
 ]
 RootOpt = Annotated[
     Path | None,
-    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: the params file's folder]"),
+    typer.Option("--out-root", help="folder that receives artifacts/ and metrics/ [default: $QAD_OUT_ROOT/<params "
+                                    "stem>, else the params file's folder, else runs/<params stem> for this "
+                                    "repository's own params files]"),
 ]

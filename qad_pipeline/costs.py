@@ -8,10 +8,16 @@ Disk, per stage, what it writes under the out-root (its peak, while it runs):
                   (kl_top_k + kl_tail_samples) x 8 (int32 id, float32 log-prob) + 4
     ptq, sweep    the fake-quantized checkpoint: N x d (+ Nw/16 x 4 of static block scales)
     qad           its resume checkpoint, student and AdamW state in float32 (N x 12), twice while a
-                  new one is written beside the last; then the student, N x d
+                  new one is written beside the last; then the student, as its recipe's checkpoint
+                  (`kept_bytes`: what stays once the checkpoints are removed)
     export        NVFP4 everywhere: Nw x 4.5 / 8 (+ the input embeddings at d); a recipe that keeps
-                  layers in FP8 or BF16 writes more, up to the BF16 size
+                  layers in FP8 or BF16 writes more, up to the BF16 size; and the serving check's
+                  reference log-probs (`serving_reference.reference_bytes`: before compression, the
+                  bound the export itself reserves)
     the rest      their JSON files (counted as 0)
+
+Every checkpoint (ptq, sweep, qad, export) holds the base model's tokenizer files too
+(`sizes.tokenizer_bytes`).
 
 Wall time, per stage, FLOPs over a throughput: 2 x Na FLOPs per token for a forward, 8 x Na for
 a QAD token (the teacher's forward, the student's forward and backward; 6 x Na with a cached teacher,
@@ -36,6 +42,8 @@ from __future__ import annotations
 from qad_pipeline.config import Params
 from qad_pipeline.eval_costs import EvalCost, stage_cost, summary
 from qad_pipeline.memory_model import DTYPE_BYTES, ModelShape, model_shape, static_block_scales
+from qad_pipeline.serving_reference import PROMPT_LEN, PROMPTS, reference_bytes
+from qad_pipeline.sizes import tokenizer_bytes
 
 EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
 TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
@@ -91,15 +99,25 @@ def disk_bytes(stage: str, params: Params, shape: ModelShape) -> int:
     if name in ("ptq", "sweep"):
         recipe = item if name == "ptq" else params.sweep.recipe
         scales = shape.matrix_params // 16 * 4 if static_block_scales(params.recipe_path(recipe)) else 0
-        return shape.params * d + scales
+        return shape.params * d + scales + tokenizer_bytes(params.base_model)
     if name == "qad":
-        return 2 * shape.params * 12 + shape.params * d
+        return 2 * shape.params * 12 + kept_bytes(name, params, shape)
     if name == "teacher_cache":  # per token of the windows QAD draws (at most all its steps' tokens)
         q = params.qad
         return q.steps * q.grad_accum * q.batch_size * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
     if name == "export":
-        return export_bytes(params, shape)
+        return (export_bytes(params, shape) + tokenizer_bytes(params.base_model)
+                + reference_bytes(PROMPTS, PROMPT_LEN, shape.vocab))
     return 0
+
+
+def kept_bytes(stage: str, params: Params, shape: ModelShape) -> int:
+    """The bytes `stage` leaves under the out-root when it is done: its peak, less QAD's resume
+    checkpoints (artifacts/qad_checkpoints/, removed once the student is saved in the format of the
+    candidate it trained: the largest of the recipes' checkpoints)."""
+    if stage == "qad":
+        return max(disk_bytes(f"ptq/{recipe}", params, shape) for recipe in params.ptq.recipes)
+    return disk_bytes(stage, params, shape)
 
 
 def export_bytes(params: Params, shape: ModelShape) -> int:

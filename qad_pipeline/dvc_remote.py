@@ -53,8 +53,8 @@ def remote_for(params: Params) -> RemoteParams | None:
 
 
 def check_out_root(root: Path, remote: RemoteParams | None) -> None:
-    """With a remote, an out-root that holds a `dvc.yaml` but no `.dvc/` (the image's own folder,
-    the default out-root there) can become neither kind of project: refused before the run."""
+    """With a remote, an out-root that holds a `dvc.yaml` but no `.dvc/` (the image's own
+    folder given as `--out-root .`) can become neither kind of project: refused before the run."""
     if remote and (root / "dvc.yaml").is_file() and not (root / ".dvc").is_dir():
         raise ConfigError(f"{root} holds a dvc.yaml but is no DVC project, so the run could not be pushed to "
                           f"{remote.url}: give the run its own out_root (e.g. runs/<name>), or `dvc init` there")

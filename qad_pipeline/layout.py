@@ -1,4 +1,4 @@
-"""Where each stage reads and writes, relative to an output root (the project root by default).
+"""Where each stage reads and writes, relative to an output root (`output_root`: never the source tree by default).
 
 One name per thing: the DVC stage, the Prefect task, the artifact folder and the metrics file of
 a stage share its name (`calibration`, `baseline`, `ptq/<recipe>`, `selection`); what each stage
@@ -7,13 +7,36 @@ writes is declared in `qad_pipeline.stages`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from qad_pipeline.config import PROJECT_ROOT
+
+OUT_ROOT_ENV = "QAD_OUT_ROOT"  # a folder under which each run gets <params file stem>/
+RUNS = "runs"  # git- and dvc-ignored; the image's shared volume is mounted over /opt/qad-pipeline/runs
+
 
 def output_root(out_root: str | Path | None, params_file: str | Path) -> Path:
-    """The folder that receives artifacts/ and metrics/: `out_root`, or the params file's folder."""
-    return Path(out_root or Path(params_file).resolve().parent).resolve()
+    """The folder that receives artifacts/ and metrics/, the first of:
+
+    1. `out_root` (`--out-root`), as given;
+    2. `$QAD_OUT_ROOT/<params file stem>`;
+    3. the params file's folder, when it lies outside this source tree (a project of your own with
+       params.yaml and dvc.yaml: `dvc repro` and `qad-pipeline run` write to the same place);
+    4. `runs/<params file stem>` under the working directory, or under the source tree's root when
+       the working directory is inside it (this repository's params.yaml and profiles/: a run never
+       writes into the source tree's tracked folders).
+    """
+    if out_root:
+        return Path(out_root).resolve()
+    params = Path(params_file).resolve()
+    if os.environ.get(OUT_ROOT_ENV, "").strip():
+        return (Path(os.environ[OUT_ROOT_ENV].strip()).expanduser() / params.stem).resolve()
+    if not params.is_relative_to(PROJECT_ROOT):
+        return params.parent
+    here = Path.cwd().resolve()
+    return (PROJECT_ROOT if here.is_relative_to(PROJECT_ROOT) else here) / RUNS / params.stem
 
 
 @dataclass(frozen=True)

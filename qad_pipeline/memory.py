@@ -376,7 +376,8 @@ def time_text(seconds: float | None) -> str:
 
 
 def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None = None) -> str:
-    """The plan as a text table, then what the machine (or target) offers, the disk and the time."""
+    """The plan as a text table, then what the machine (or target) offers and the time (the disk in
+    all: `disk_plan`)."""
     mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
     gib = lambda b: f"{b / GiB:,.1f}" if b else "-"  # noqa: E731
     rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "disk GiB", "time", "fits")]
@@ -386,8 +387,6 @@ def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None =
     seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
     where = f"target {cap.target}" if cap.target else f"{HEADROOM:.0%} of what is free"
     lines.append(f"usable ({where}): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; the stages run on {cap.device}")
-    lines.append(f"disk under the out-root: at most {sum(e.disk_bytes for e in estimates) / GiB:,.1f} GiB "
-                 "(every stage's peak, summed)")
     total = run_seconds(estimates)
     left_out = eval_costs.uncounted_tasks(params) if params is not None else []
     if total is not None:

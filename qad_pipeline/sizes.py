@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qad_pipeline.config import BaseModelParams, resolve
+
 FP8_SCALE_BITS = 8
 TENSOR_SCALE_BITS = 32
 
@@ -112,3 +114,13 @@ def kv_cache_format(model: torch.nn.Module) -> str:
         if name.endswith(("k_bmm_quantizer", "v_bmm_quantizer")):
             names.add(quantizer_format(module, torch.bfloat16).name)
     return "+".join(sorted(names)) if names else "none"
+
+
+def tokenizer_bytes(model: BaseModelParams) -> int:
+    """The tokenizer files every saved checkpoint gets beside its weights (PTQ, QAD, the export): a
+    local base-model folder's; a hub model's: 64 MiB at most."""
+    folder = resolve(model.path)
+    if not folder.is_dir():
+        return 64 * 2**20
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith(("tokenizer", "vocab",
+                                                                                              "merges", "special")))

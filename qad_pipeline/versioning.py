@@ -73,7 +73,8 @@ DVC_YAML_HEADER = """\
 # again (a test fails while this file differs from what the registry generates).
 #
 # The same DAG as the Prefect flow (flows/pipeline.py), stage for stage and name for name: each
-# stage runs the command that the flow's task runs, `qad-pipeline stage <name>`. The BPE sweep's
+# stage runs the command that the flow's task runs, `qad-pipeline stage <name>`, into this folder
+# (`--out-root .`: a run's default out-root is runs/<params stem> in this repository). The BPE sweep's
 # stages are here only when params.yaml asks for them (selection.sweep not none, with budgets), as
 # in a `qad-pipeline run`: after changing that, run `qad-pipeline dvc-yaml` again.
 #
@@ -89,6 +90,19 @@ DVC_YAML_HEADER = """\
 # declares (its default, null, is no path): to track it, add "${qad.source}" to the qad stage's
 # inputs in qad_pipeline/stages.py and run `qad-pipeline dvc-yaml`, rather than edit this file.
 """
+
+
+def write_dvc_yaml(params_file: Path, check: bool = False) -> tuple[bool, str]:
+    """`qad-pipeline dvc-yaml`: dvc.yaml beside `params_file`, written unless `check` or current;
+    (was it current?, the line to print)."""
+    params = load_params(params_file)
+    path, text = params_file.resolve().parent / "dvc.yaml", dvc_yaml(params)
+    current = path.is_file() and path.read_text() == text
+    if check:
+        return current, f"{path} is {'current' if current else 'out of date: run `qad-pipeline dvc-yaml`'}"
+    if not current:
+        path.write_text(text)
+    return current, f"{path}: {'unchanged' if current else 'written'} ({len(dvc_stages(params))} stages)"
 
 
 def _yaml_value(value) -> str:
@@ -135,7 +149,7 @@ def dvc_yaml(params: Params | None = None) -> str:
         if stage.per_recipe:
             lines += [f"{pad}foreach: ${{{stage.foreach}}}", f"{pad}do:"]
             pad += "  "
-        lines.append(f"{pad}cmd: {' '.join(stage.command(recipe))}")
+        lines.append(f"{pad}cmd: {' '.join(stage.command(recipe, out_root='.'))}")  # where the outs are declared
         code = [path.relative_to(PROJECT_ROOT).as_posix() for path in stage.code_files()]
         inputs = [fill(i, recipe) for i in stage.inputs if i not in absent and not _hub_id(i, params)]
         lines += [f"{pad}deps:", *(f"{pad}  - {d}" for d in [*code, *inputs])]

@@ -122,17 +122,6 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def tokenizer_bytes(params: Params) -> int:
-    """The tokenizer files the export copies (a local base-model folder's; a hub model's: 64 MiB at most)."""
-    from qad_pipeline.config import resolve
-
-    folder = resolve(params.base_model.path)
-    if not folder.is_dir():
-        return 64 * 2**20
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.startswith(("tokenizer", "vocab",
-                                                                                              "merges", "special")))
-
-
 def check_free_space(layout: Layout, needed: int) -> None:
     """Refuse before writing when the out-root's disk cannot hold the staged export beside the
     previous one (which stays until the new one has passed its checks)."""
@@ -194,7 +183,7 @@ def run_export(params: Params, layout: Layout) -> dict:
     from qad_pipeline.calibration_data import load_ppl_windows
     from qad_pipeline.modeling import load_model, load_tokenizer
     from qad_pipeline.serving_reference import held_out_prompts, reference_bytes, student_reference, write_reference
-    from qad_pipeline.sizes import size_report
+    from qad_pipeline.sizes import size_report, tokenizer_bytes
 
     source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
@@ -210,7 +199,7 @@ def run_export(params: Params, layout: Layout) -> dict:
     served = student_reference(student, prompts)
     input_scales = student_input_scales(student)
 
-    check_free_space(layout, expected["size_bytes"] + tokenizer_bytes(params)
+    check_free_space(layout, expected["size_bytes"] + tokenizer_bytes(params.base_model)
                      + reference_bytes(len(prompts), len(prompts[0]), student.config.vocab_size))
     with disk_full_is_reported(layout), staged_dir(layout.export) as tmp:
         export_hf_checkpoint(student, export_dir=tmp)

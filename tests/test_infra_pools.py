@@ -157,8 +157,9 @@ def test_flow_outputs_land_on_the_shared_volume():
         full = Path(path) if path.startswith("/") else Path(workdir) / path
         return any(full == Path(m) or Path(m) in full.parents for m in shared_mounts(pool) if m != workdir)
 
-    for pool in TEMPLATES:  # out_root's default is the working directory: its outputs must be shared
-        assert on_volume(pool, "artifacts/calibration") and on_volume(pool, "metrics/baseline.json")
+    for pool in TEMPLATES:  # out_root's default for the image's params files (layout.output_root): shared
+        assert on_volume(pool, "runs/params/artifacts/calibration")
+        assert on_volume(pool, "runs/params/metrics/baseline.json")
     path = ROOT / "prefect.yaml"
     assert path.is_file(), "prefect.yaml is missing: the deployments' paths cannot be checked"
     for dep in (yaml.safe_load(path.read_text()) or {}).get("deployments") or []:

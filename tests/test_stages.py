@@ -39,7 +39,7 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     served = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"eval.backend": "vllm"})))["stages"]
     assert list(served)[-2:] == ["export", "served_eval"] and "artifacts/export" in served["served_eval"]["deps"]
     ptq = stages["ptq"]["do"]
-    assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item}"
+    assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item} --out-root ."
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
     assert {"qad_pipeline/modeling.py", "qad_pipeline/calibration_data.py", "qad_pipeline/nvfp4_cpu.py"} <= set(ptq["deps"])
     # and only that: the calibration stage's own module, or QAD's, is not
@@ -174,7 +174,7 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_and_mlflow
                      knobs=("eval.batch_size",))
     monkeypatch.setitem(STAGES, "model_card", added)
     card = yaml.safe_load(dvc_yaml())["stages"]["model_card"]
-    assert card["cmd"] == "qad-pipeline stage model_card" and "metrics/export.json" in card["deps"]
+    assert card["cmd"] == "qad-pipeline stage model_card --out-root ." and "metrics/export.json" in card["deps"]
     assert card["params"] == ["export"] and card["metrics"] == ["metrics/model_card.json"]
     params = load_params(PROJECT_PARAMS)
     runs = planned(params)

@@ -49,7 +49,8 @@ def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_t
     assert [rows[r]["gpus"] for r in recipes] == [["0"], ["1"], ["2"], ["3"]]
     assert rows["qad"]["gpus"] == [str(i) for i in range(8)] and rows["qad"]["max_parallel"] == 8
     # a fake-quantized BF16 checkpoint per recipe; QAD's float32 checkpoint with AdamW, twice
-    assert all(16e9 < rows[r]["disk_bytes"] < 18e9 for r in recipes)  # 8.0B x 2 bytes (+ block scales)
+    # 8.0B x 2 bytes (+ block scales, + the tokenizer: a hub model's counted at 64 MiB at most)
+    assert all(16e9 < rows[r]["disk_bytes"] < 18.1e9 for r in recipes)
     assert rows["qad"]["disk_bytes"] > 12 * 2 * 8e9
     assert rows["qad"]["seconds"] > rows[recipes[0]]["seconds"] > 0 and rows["calibration"]["seconds"] == 0
     text = CliRunner().invoke(app, ["plan", "--params", str(PROFILE_8B)]).output
