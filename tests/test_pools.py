@@ -2,8 +2,6 @@
 pool for more than its nodes have is refused in one line before any work (qad_pipeline/pools.py);
 the plan shows each Job. The pool's own limit against a real Prefect server: test_infra_kustomize."""
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -72,16 +70,19 @@ def test_a_flow_run_on_a_pool_passes_its_gpus_as_the_job_variable(monkeypatch, t
 
 
 def test_the_plan_shows_each_job_and_refuses_a_pool_too_small_in_one_line():
+    from typer.testing import CliRunner
+
+    from qad_pipeline.cli import app
+
     def plan(*extra):
-        return subprocess.run([sys.executable, "-m", "qad_pipeline", "plan", "--params", str(PROFILE), *extra],
-                              capture_output=True, text=True, timeout=300)
+        return CliRunner().invoke(app, ["plan", "--params", str(PROFILE), *extra])
 
     shown = plan()
-    assert shown.returncode == 0, shown.stderr
+    assert shown.exit_code == 0, shown.output
     (line,) = [ln for ln in shown.stdout.splitlines() if ln.startswith("on the GPU pool")]
     assert "qad 8" in line and "ptq 1 each x4" in line and "at most 8 (hardware.target 8xH100-80GB)" in line
     refused = plan("--set", "hardware.pool_gpus=4")
-    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.exit_code == 2 and refused.stdout == ""
     assert refused.stderr.strip().splitlines() == [
         "error: qad needs 8 GPUs in one Job (qad.num_gpus=8) but gpu-stage/gpu's pool gives a Job at most 4 "
         "(hardware.pool_gpus): lower qad.num_gpus, or give the stages a pool whose nodes have more GPUs "
