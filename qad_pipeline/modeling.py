@@ -61,8 +61,8 @@ def load_config(params: BaseModelParams):
     first), or, for a hub model not in the cache whose config this project ships
     (SHIPPED_CONFIGS: the profiles' models, for planning offline), that copy."""
     location = model_location(params)
-    shipped = SHIPPED_CONFIGS / params.path / "config.json"
-    if location == params.path and shipped.is_file() and params.revision is None:
+    shipped = SHIPPED_CONFIGS / params.path / "config.json"  # (an absolute local path would replace the folder)
+    if location == params.path and not Path(location).exists() and shipped.is_file() and params.revision is None:
         try:
             return AutoConfig.from_pretrained(location, trust_remote_code=params.trust_remote_code,
                                               local_files_only=True)
@@ -73,7 +73,10 @@ def load_config(params: BaseModelParams):
             location, revision=params.revision, trust_remote_code=params.trust_remote_code
         )
     except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read a model config from {location!r}: {err}".splitlines()[0]) from None
+        hint = ("; set base_model.trust_remote_code: true if you trust that code"
+                if "trust_remote_code" in str(err) and not params.trust_remote_code else "")
+        raise ConfigError(f"cannot read a model config from {location!r}: {err}".splitlines()[0].rstrip(" .") + hint
+                          ) from None
 
 
 def max_positions(config) -> int | None:

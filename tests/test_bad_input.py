@@ -378,3 +378,25 @@ def test_secret_names(name, secret):
 def test_debug_shows_the_traceback_of_a_refusal():
     code, out = run_cli("--debug", "plan", "--set", "calibration.num_sampels=3")
     assert code == 2 and "Traceback" in out and out.strip().splitlines()[-1].startswith("error: unknown key")
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("not json", "It looks like the config file at '{folder}/config.json' is not a valid JSON file"),
+    ("remote code", "The repository {folder} contains custom code which must be executed to correctly load the "
+                    "model. You can inspect the repository content at {folder}; set base_model.trust_remote_code: "
+                    "true if you trust that code"),
+])
+def test_a_model_folder_whose_config_cannot_be_read_is_one_line_naming_it(broken, message, demo_model_path, tmp_path):
+    """A local folder with a config.json that is not JSON, or one that needs remote code: one line
+    naming the folder (an absolute local path was once taken for a shipped hub config, and
+    transformers' raw OSError / ValueError reached the user)."""
+    folder = tmp_path / "model"
+    shutil.copytree(demo_model_path, folder)
+    if broken == "not json":
+        (folder / "config.json").write_text("{not json")
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(model_type="my_custom_type", auto_map={"AutoConfig": "custom.MyConfig"})
+        (folder / "config.json").write_text(json.dumps(config))
+    line = refused(tmp_path / "out", "--base-model", str(folder))
+    assert line == f"error: cannot read a model config from '{folder}': " + message.format(folder=folder)
