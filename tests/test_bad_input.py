@@ -387,9 +387,7 @@ def test_debug_shows_the_traceback_of_a_refusal():
                     "true if you trust that code"),
 ])
 def test_a_model_folder_whose_config_cannot_be_read_is_one_line_naming_it(broken, message, demo_model_path, tmp_path):
-    """A local folder with a config.json that is not JSON, or one that needs remote code: one line
-    naming the folder (an absolute local path was once taken for a shipped hub config, and
-    transformers' raw OSError / ValueError reached the user)."""
+    """A config.json that is not JSON, or needs remote code: one line naming the folder (not transformers' raw error)."""
     folder = tmp_path / "model"
     shutil.copytree(demo_model_path, folder)
     if broken == "not json":

@@ -7,6 +7,7 @@ cache (no process: its usage file is untouched), QAD trains no step again, and t
 first finish's. Real processes, no mocks."""
 
 import hashlib
+import json
 import signal
 import subprocess
 import sys
@@ -93,7 +94,11 @@ def test_sigterm_stops_every_process_and_the_same_command_resumes_running_nothin
     left = sorted(p for p in seen if alive(p))
     assert not left, f"still running after the run ended: {[Path(f'/proc/{p}/cmdline').read_bytes()[:200] for p in left]}"
     assert not list(root.rglob("*.partial")), "a half-written output folder was left behind"
-    assert not (root / "artifacts" / "ptq" / RECIPE / "checkpoint").exists()  # nothing looks complete that is not
+    # nothing looks complete that is not: a checkpoint only where its stage process ended well (on a
+    # busy machine the recipe can finish before the signal lands)
+    recipe_usage = root / "artifacts" / "logs" / f"ptq-{RECIPE}.usage.json"
+    finished = recipe_usage.is_file() and json.loads(recipe_usage.read_text())["exit_code"] == 0
+    assert finished or not (root / "artifacts" / "ptq" / RECIPE / "checkpoint").exists()
     store = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     runs = store.search_runs([e.experiment_id for e in store.search_experiments()])
     assert runs and not [r.info.run_id for r in runs if r.info.status == "RUNNING"]
