@@ -119,15 +119,14 @@ def outputs_present(stage: Stage, layout: Layout, recipe: str | None) -> bool:
 
 
 def route(stage: str, item: str | None, job: Job) -> tuple[str | None, dict]:
-    """Where a stage runs: (a deployment, its flow run's parameters), or (None, {}) for a process
-    here. A recipe goes to `recipe_deployment` (`ptq-recipe`) when it is set; every GPU-heavy stage,
-    a recipe too when there is no `recipe_deployment`, goes to `stage_deployment` (`gpu-stage`)."""
-    declared = STAGES[stage]
-    if declared.name == "ptq" and job.recipe_deployment:
-        return job.recipe_deployment, {"recipe": item}
-    if declared.gpu and job.stage_deployment:
-        return job.stage_deployment, {"stage": stage, **({"item": item} if item else {})}
-    return None, {}
+    """Where a stage runs (`pools.deployment_of`): (a deployment, its flow run's parameters), or
+    (None, {}) for a process here."""
+    deployment = pools.deployment_of(stage, job.recipe_deployment, job.stage_deployment)
+    if deployment is None:
+        return None, {}
+    if deployment == job.recipe_deployment and stage == "ptq":
+        return deployment, {"recipe": item}
+    return deployment, {"stage": stage, **({"item": item} if item else {})}
 
 
 @task(persist_result=True)

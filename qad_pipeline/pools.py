@@ -52,16 +52,20 @@ def knob(stage: str, params: Params) -> str:
     return f"hardware.device_map={params.hardware.device_map}"
 
 
+def deployment_of(stage: str, recipe_deployment: str | None, stage_deployment: str | None) -> str | None:
+    """Where one process of `stage` runs: a recipe on `recipe_deployment` (`ptq-recipe`) when it is
+    set; every GPU-heavy stage, a recipe too when there is no `recipe_deployment`, on
+    `stage_deployment` (`gpu-stage`); None: a process on the run's own machine."""
+    if stage == "ptq" and recipe_deployment:
+        return recipe_deployment
+    return stage_deployment if STAGES[stage].gpu else None
+
+
 def routed(params: Params, recipe_deployment: str | None, stage_deployment: str | None,
            sweep: bool = False) -> list[tuple[str, str | None, str]]:
     """(stage, item, deployment) of every planned stage process that runs as a flow run on a pool."""
-    out = []
-    for declared, item in planned(params, sweep_only=sweep):
-        if declared.name == "ptq" and recipe_deployment:
-            out.append((declared.name, item, recipe_deployment))
-        elif declared.gpu and stage_deployment:
-            out.append((declared.name, item, stage_deployment))
-    return out
+    return [(declared.name, item, deployment) for declared, item in planned(params, sweep_only=sweep)
+            if (deployment := deployment_of(declared.name, recipe_deployment, stage_deployment))]
 
 
 def requests(params: Params, routes: list[tuple[str, str | None, str]], limits: dict[str, int | None]
@@ -93,10 +97,9 @@ def server_limits(deployments: set[str]) -> dict[str, int | None]:
     """Each deployment's pool limit as Prefect's server has it: its work pool's `gpus` maximum (None
     for a pool without that variable, such as a process pool)."""
     from prefect.client.orchestration import get_client
-
-    limits: dict[str, int | None] = {}
     from prefect.exceptions import ObjectNotFound
 
+    limits: dict[str, int | None] = {}
     with get_client(sync_client=True) as client:
         for name in sorted(deployments):
             try:
