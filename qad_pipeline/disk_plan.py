@@ -127,15 +127,15 @@ def dvc_terms(params: Params, root: Path, params_file: Path, overrides: list[str
 
 
 def hub_bytes(params: Params) -> int:
-    """The base model's weights when it is a hub id whose weights the local cache lacks."""
+    """The base model's weights when it is a hub id whose weights the local cache lacks
+    (`hub_access.cached_snapshot`: the config and every weight file of that revision)."""
     model = params.base_model
     if looks_local(model.path):
         return 0
-    from huggingface_hub import try_to_load_from_cache
+    from qad_pipeline.hub_access import cached_snapshot
 
-    for name in ("model.safetensors.index.json", "model.safetensors"):
-        if isinstance(try_to_load_from_cache(model.path, name, revision=model.revision), str):
-            return 0
+    if cached_snapshot(model.path, model.revision) is not None:
+        return 0
     return model_shape(model).params * DTYPE_BYTES[model.dtype]
 
 
