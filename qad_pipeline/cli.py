@@ -21,7 +21,9 @@ from typing import Annotated
 import typer
 
 from qad_pipeline import processes
-from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt
+from qad_pipeline import cli_options
+from qad_pipeline.cli_checks import verify_export_command, verify_serving_command
+from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
 from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.preflight import check_recipes, preflight
@@ -30,16 +32,16 @@ from qad_pipeline.stages import STAGES
 from qad_pipeline.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
-_debug = False
 app.command("trainjob")(trainjob_command)  # qad_pipeline/trainjob.py
+app.command("verify-serving")(verify_serving_command)  # qad_pipeline/cli_checks.py
+app.command("verify-export")(verify_export_command)
 
 
 @app.callback()
 def _options(
     debug: Annotated[bool, typer.Option("--debug", help="on a refused input, show the traceback too")] = False,
 ) -> None:
-    global _debug
-    _debug = debug
+    cli_options.debug = debug
 
 
 Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # the declared stages, in order
@@ -52,17 +54,6 @@ def resolve_params(params_file: Path, overrides: list[str] | None, base_model: s
             raise ConfigError("--base-model is empty: give a local model folder or a hub id such as 'org/name'")
         items.append(f"base_model.path={base_model}")
     return load_params(params_file, items)
-
-
-def _fail(err: Exception) -> None:
-    from qad_pipeline.redaction import redact_text
-
-    if _debug:
-        import traceback
-
-        typer.echo(redact_text("".join(traceback.format_exception(err))), err=True)
-    typer.echo(f"error: {redact_text(str(err))}", err=True)  # an echoed --set item may hold a secret
-    raise typer.Exit(2)
 
 
 def _start_flow(flow_name: str, params_file: Path, overrides: list[str] | None, out_root: Path,
@@ -105,7 +96,7 @@ def _checked(params_file: Path, overrides: list[str] | None, base_model: str | N
             raise ConfigError("sweep.budgets is empty: list the budgets to sweep, e.g. --set 'sweep.budgets=[4.5, 5.0]'")
         preflight(params, out_root, sweep=sweep)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
     return out_root
 
 
@@ -173,24 +164,24 @@ def stage(
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
                       serving=name.value == "export", sweep=declared.sweep)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
 
     layout = Layout(output_root(out_root, params_file))
     processes.exit_on_sigterm()  # a stopped stage cleans up: no half-written output is left
     if TOKEN_ENV in os.environ:  # started by a pipeline run: it ends when that run's process ends
         processes.die_with_parent(signal.SIGTERM)
         if os.getppid() == 1:
-            _fail(ConfigError("the pipeline run that started this stage has already ended"))
+            fail(ConfigError("the pipeline run that started this stage has already ended"))
     what = f"run stage {name.value}" + (f" {recipe}" if recipe else "")
     try:
         with run_lock(layout.root, what, on_stale=lambda msg: typer.echo(f"warning: {msg}", err=True)):
             run_stage(name, params, layout, recipe)
     except (ConfigError, StageError) as err:
-        _fail(err)
+        fail(err)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        _fail(StageError(f"stage {name.value}: {err.strerror} writing {err.filename or layout.root}; nothing "
+        fail(StageError(f"stage {name.value}: {err.strerror} writing {err.filename or layout.root}; nothing "
                          "half-written was put in place (outputs are staged, then moved in whole); free some space "
                          "and run it again"))
 
@@ -220,7 +211,7 @@ def log_mlflow(
         if not layout.selection_metrics.is_file():
             raise ConfigError(f"no finished run under {layout.root} (no {layout.selection_metrics})")
     except ConfigError as err:
-        _fail(err)
+        fail(err)
     record = None if again else tracking.recorded_run(layout, uri)
     if record is not None and record.logged:
         typer.echo(f"run {record.run_id} in {record.uri} holds this run already"
@@ -253,7 +244,7 @@ def compare(
         tracking.check_reachable(uri)
         rows = tracking.compare_table(uri, tracking.experiment_name(params.base_model.path), run_id)
     except (ConfigError, LookupError) as err:
-        _fail(err)
+        fail(err)
     typer.echo(tracking.compare_text(rows))
 
 
@@ -267,7 +258,7 @@ def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_
     try:
         remote = dvc_remote.push_remote(resolve_params(params_file, overrides, None), root)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
     done, line = dvc_remote.after_run(root, Path(params_file), list(overrides or []), dvc_remote.ran_on_disk(root),
                                       remote, typer.echo)
     record = done and dvc_remote.run_project(root) and tracking.recorded_run(Layout(root), tracking.tracking_uri(root))
@@ -286,10 +277,10 @@ def prefect_setup(
     from qad_pipeline.prefect_setup import create_crash_automation, create_pools
 
     if not os.environ.get("PREFECT_API_URL"):
-        _fail(ConfigError("PREFECT_API_URL is not set: point it at your Prefect server "
+        fail(ConfigError("PREFECT_API_URL is not set: point it at your Prefect server "
                           "(e.g. http://127.0.0.1:4200/api after `prefect server start`)"))
     if heartbeat_timeout < 60:
-        _fail(ConfigError(f"--heartbeat-timeout {heartbeat_timeout} is too short: heartbeats come every 30 s or "
+        fail(ConfigError(f"--heartbeat-timeout {heartbeat_timeout} is too short: heartbeats come every 30 s or "
                           "more; use 60 or more"))
     for line in [*create_pools(kubernetes), create_crash_automation(heartbeat_timeout)]:
         typer.echo(line)
@@ -313,7 +304,7 @@ def dvc_yaml_command(
     try:
         current, line = write_dvc_yaml(Path(params_file), check)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
     typer.echo(line)
     raise typer.Exit(0 if current or not check else 1)
 
@@ -345,13 +336,13 @@ def plan_command(
         items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
         disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
                else "\n".join(filter(None, [memory.table(estimates, cap, params), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:
-        _fail(err)
+        fail(err)
 
 
 @app.command("setup-vllm")
@@ -365,33 +356,7 @@ def setup_vllm_command(
     try:
         serving.setup_vllm(env, build, log=typer.echo)
     except (ConfigError, OSError) as err:
-        _fail(err)
+        fail(err)
     except subprocess.CalledProcessError as err:
         typer.echo(f"error: {' '.join(map(str, err.cmd))} exited with {err.returncode}", err=True)
         raise typer.Exit(1) from None
-
-
-@app.command("verify-serving")
-def verify_serving_command(
-    export_dir: Annotated[Path, typer.Argument(help="an exported checkpoint folder (artifacts/export)")],
-    level: Annotated[str, typer.Option(help="auto: full where vLLM runs the architecture here, else config | full | config")] = "auto",
-    as_json: Annotated[bool, typer.Option("--json", help="print the whole result as JSON before the last line")] = False,
-) -> None:
-    """Load an export with a real vLLM and compare its log-probs with the student's; exit 0 when it passes.
-
-    The last line names the level that ran (full or config) and its figures."""
-    import json
-
-    from qad_pipeline import serving
-
-    try:
-        if not export_dir.is_dir():
-            raise ConfigError(f"export folder {export_dir} does not exist")
-        result = serving.verify_serving(export_dir, level)
-    except (ConfigError, StageError) as err:
-        _fail(err)
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-    typer.echo(result["summary"])
-    if not result["passed"]:
-        raise typer.Exit(1)

@@ -1,5 +1,5 @@
 """The options the `qad-pipeline` commands share (qad_pipeline/cli.py): the params file, its overrides,
-the base model and the out-root."""
+the base model and the out-root; and how every command refuses (`fail`)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ RootOpt = Annotated[
                                     "stem>, else the params file's folder, else runs/<params stem> for this "
                                     "repository's own params files]"),
 ]
+
+debug = False  # --debug, set by the app's callback (qad_pipeline/cli.py)
+
+
+def fail(err: Exception) -> None:
+    """A refused input or failed stage: one line on stderr (the traceback too with --debug), exit 2."""
+    from qad_pipeline.redaction import redact_text
+
+    if debug:
+        import traceback
+
+        typer.echo(redact_text("".join(traceback.format_exception(err))), err=True)
+    typer.echo(f"error: {redact_text(str(err))}", err=True)  # an echoed --set item may hold a secret
+    raise typer.Exit(2)

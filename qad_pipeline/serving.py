@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 from qad_pipeline.config import PROJECT_ROOT, ConfigError, StageError
-from qad_pipeline.serving_reference import (KL_FLOOR, NOISE_FACTOR, QUANTIZATION_SHARE, REFERENCE_FILE, VIEWS,
-                                            kl_threshold, read_reference)
+from qad_pipeline.serving_reference import (CLOSER_SHARE, KL_FLOOR, NOISE_FACTOR, QUANTIZATION_SHARE, REFERENCE_FILE,
+                                            UNQUANTIZED, VIEWS, kl_threshold, read_reference, threshold_reason)
 
 VLLM_VERSION = "0.32.0"
 # the CPU build pins torch 2.13.0 (CPU) and transformers < 5.20; the CUDA build its own CUDA torch
@@ -283,10 +283,11 @@ def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -
               "kv_cache_dtype": config["kv_cache_dtype"], "architecture": config["architecture"],
               "config_problems": config["problems"][:20], "layers_checked": len(config["layers"]),
               "thresholds": {"kl_divergence_floor": KL_FLOOR, "noise_factor": NOISE_FACTOR,
-                             "quantization_share": QUANTIZATION_SHARE,
+                             "quantization_share": QUANTIZATION_SHARE, "closer_share": CLOSER_SHARE,
                              "top1_agreement_min_w4a16": TOP1_MIN, "decided_margin_nats": DECIDED_MARGIN}}
     if all(side["full"] is not None for side in sides.values()):
-        result["views"] = {view: judge_view(view, sides[view]["full"], reference[view]) for view in views}
+        result["views"] = {view: judge_view(view, sides[view]["full"], reference[view], reference[UNQUANTIZED])
+                           for view in views}
         tight = result["views"]["w4a16"]
         stored = sides[views[-1]]["full"]  # the checkpoint as stored (w4a16 alone where it is the same)
         result.update(level="full", logprobs_per_position=k, served_kv_cache_dtype=stored["kv_cache_dtype"],
@@ -307,16 +308,37 @@ def verify_serving(folder: Path, level: str = "auto", env: Path | None = None) -
     return result
 
 
-def judge_view(view: str, served: dict, reference: dict) -> dict:
-    """One view's figures (`compare`) against its threshold (`kl_threshold` of the student's own
-    implementation noise and quantization KL in that view); w4a16 also needs TOP1_MIN."""
+def judge_view(view: str, served: dict, reference: dict, unquantized: dict) -> dict:
+    """One view's figures (`compare`) against its three conditions, each failure with its reason:
+    the KL to the student within `kl_threshold` (of the student's own implementation noise and
+    quantization KL in that view); the served model closer to the student than to the unquantized
+    student (`unquantized`), by CLOSER_SHARE, position by position on the same prompts: an engine
+    that serves the unquantized model is ~0 from it, a faithful one as far as the quantization
+    goes; and, for w4a16, a top-1 agreement of at least TOP1_MIN."""
     figures = compare(served["prompt_logprobs"], reference)
-    kl_max = kl_threshold(reference["noise"], reference["own_kl"])
+    unquantized_kl = compare(as_served(unquantized), reference)["kl_divergence"]  # an engine serving it: this
+    kl, kl_max = figures["kl_divergence"], kl_threshold(reference["noise"], reference["own_kl"], unquantized_kl)
+    to_unquantized = compare(served["prompt_logprobs"], unquantized)["kl_divergence"]
     agreement = figures["top1_agreement"]
-    passed = figures["kl_divergence"] <= kl_max and (view != "w4a16" or agreement is None or agreement >= TOP1_MIN)
-    return {**figures, "kl_divergence_max": kl_max, "student_noise": reference["noise"],
-            "quantization_kl": reference["own_kl"], "served_as": served.get("quantization"),
-            "served_kv_cache_dtype": served["kv_cache_dtype"], "passed": passed}
+    reasons = []
+    if kl > kl_max:
+        reasons.append(threshold_reason(kl, reference["noise"], reference["own_kl"], unquantized_kl))
+    if kl > CLOSER_SHARE * to_unquantized:
+        reasons.append(f"the served model is {kl:.4g} nats/token from the student and {to_unquantized:.4g} from the "
+                       f"unquantized model: not closer to the student by {CLOSER_SHARE} (is it quantized?)")
+    if view == "w4a16" and agreement is not None and agreement < TOP1_MIN:
+        reasons.append(f"top-1 agreement {agreement:.3f} < {TOP1_MIN}")
+    return {**figures, "kl_divergence_max": kl_max, "kl_to_unquantized": to_unquantized,
+            "unquantized_kl": unquantized_kl,
+            "student_noise": reference["noise"], "quantization_kl": reference["own_kl"],
+            "served_as": served.get("quantization"), "served_kv_cache_dtype": served.get("kv_cache_dtype"),
+            "passed": not reasons, "reasons": reasons}
+
+
+def as_served(reference: dict) -> list:
+    """A reference's top-K log-probs in the form vLLM returns them (`compare`'s first argument)."""
+    return [[[ids.tolist(), lps.tolist()] for ids, lps in zip(prompt_ids, prompt_lps)]
+            for prompt_ids, prompt_lps in zip(reference["ids"], reference["logprobs"])]
 
 
 def summary_line(result: dict) -> str:
@@ -331,7 +353,8 @@ def summary_line(result: dict) -> str:
             top1 = v["top1_agreement"]
             parts.append(f"{view}: KL {v['kl_divergence']:.5f} nats/token (max {v['kl_divergence_max']:.4f}), top-1 "
                          + (f"{top1:.3f}" if top1 is not None else "n/a")
-                         + (f" (min {TOP1_MIN})" if view == "w4a16" else "") + f" over {v['decided_positions']} decided")
+                         + (f" (min {TOP1_MIN})" if view == "w4a16" else "") + f" over {v['decided_positions']} decided"
+                         + "".join(f" [FAILED: {r}]" for r in v["reasons"][:1]))
         return f"{head}, {result['positions']} positions; " + "; ".join(parts) + kv
     if result.get("error"):
         return f"{head}: {result['error'].splitlines()[-1][:300]}"

@@ -21,8 +21,11 @@ checkpoint serves Blackwell (native W4A4 NVFP4) and Hopper (no FP4 tensor cores:
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,6 +151,11 @@ def disk_full_is_reported(layout: Layout):
                          "run the stage again") from None
 
 
+def source_folder(layout: Layout, source: str) -> Path:
+    """The checkpoint folder of an export source (qad, or ptq/<recipe>) in this run."""
+    return layout.qad / "model" if source == "qad" else layout.candidate(source.removeprefix("ptq/")) / "checkpoint"
+
+
 def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
     """(what is exported, its checkpoint folder): `export.source`, where auto is the QAD student
     with selection.policy qad and the selected PTQ candidate with ptq_final."""
@@ -166,7 +174,7 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
             raise ConfigError("selection.policy is ptq_final and no PTQ recipe was selected (metrics/selection.json): "
                               "nothing to export")
         source = f"ptq/{selected}"
-    folder = layout.qad / "model" if source == "qad" else layout.candidate(source.removeprefix("ptq/")) / "checkpoint"
+    folder = source_folder(layout, source)
     if not (folder / "config.json").is_file():
         ready = ["qad"] if (layout.qad / "model" / "config.json").is_file() else []
         ready += [f"ptq/{p.parent.parent.name}" for p in sorted(layout.root.glob("artifacts/ptq/*/checkpoint/config.json"))]
@@ -175,51 +183,99 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
     return source, folder
 
 
+@dataclass
+class StudentSide:
+    """What the export's checks compare a checkpoint with, computed from the student (before the
+    export: it packs the student's weights in place)."""
+
+    expected: dict  # size_report: each layer's format, bits per element, bytes
+    batch: torch.Tensor  # the reload check's held-out windows
+    reload: tuple  # reload_reference: the student's weight-only logits, its noise, the quantization's KL
+    prompts: list[list[int]]  # the serving check's held-out prompts
+    served: dict  # student_reference: per view what vLLM must reproduce
+    input_scales: dict[str, float]  # the calibrated input scales the lint expects
+    vocab: int
+
+
+def student_side(layout: Layout, student) -> StudentSide:
+    """The student's side of every check, on the run's held-out windows."""
+    from qad_pipeline.calibration_data import load_ppl_windows
+    from qad_pipeline.serving_reference import held_out_prompts, student_reference
+    from qad_pipeline.sizes import size_report
+
+    windows = load_ppl_windows(layout.data)
+    batch = torch.from_numpy(windows[:2])
+    prompts = held_out_prompts(windows)
+    return StudentSide(expected=size_report(student), batch=batch, reload=reload_reference(student, batch),
+                       prompts=prompts, served=student_reference(student, prompts),
+                       input_scales=student_input_scales(student), vocab=student.config.vocab_size)
+
+
+def check_checkpoint(params: Params, folder: Path, side: StudentSide) -> dict[str, dict]:
+    """The export's checks of the checkpoint in `folder` against the student (`side`): formats, size,
+    lint, reload, and (unless export.serving_check is skip) serving, for which the student's
+    `serving_reference.npz` is written into `folder` first."""
+    from qad_pipeline.serving_reference import write_reference
+
+    tensors = read_tensors(folder)
+    reference, noise, quantization_kl = side.reload
+    checks = {
+        "formats": check_formats(side.expected["layer_formats"], tensors, read_json(folder / "hf_quant_config.json")),
+        "size": check_size(side.expected["effective_bpe"], tensors),
+        "lint": lint(tensors, side.input_scales),
+        "reload": check_reload(folder, tensors, reference, side.batch, noise, quantization_kl,
+                               params.base_model.trust_remote_code),
+    }
+    write_reference(folder, side.prompts, side.served)
+    serving_check = check_serving(params, folder)
+    if serving_check is not None:
+        checks["serving"] = serving_check
+    return checks
+
+
+def failed_checks(checks: dict[str, dict]) -> list[str]:
+    """One phrase per failed check: its name and first problem (or summary, or figure)."""
+    out = []
+    for name, c in checks.items():
+        if c["passed"]:
+            continue
+        if c.get("problems"):
+            out.append(f"{name}: {c['problems'][0]}" + (f" (+{len(c['problems']) - 1} more)" if len(c["problems"]) > 1
+                                                          else ""))
+        elif c.get("summary"):
+            out.append(f"{name}: {c['summary']}")
+        else:
+            figure = {k: c[k] for k in ("kl_divergence", "tolerance", "relative_difference") if k in c}
+            out.append(f"{name}: {figure or c}")
+    return out
+
+
 def run_export(params: Params, layout: Layout) -> dict:
     """Stage core: export the QAD student (or a PTQ checkpoint: `export_source`), verify it, put it in
     place; write metrics/export.json."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    from qad_pipeline.calibration_data import load_ppl_windows
     from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.serving_reference import held_out_prompts, reference_bytes, student_reference, write_reference
-    from qad_pipeline.sizes import size_report, tokenizer_bytes
+    from qad_pipeline.serving_reference import reference_bytes
+    from qad_pipeline.sizes import tokenizer_bytes
 
     source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
                              + [f"{p.name}:{p.stat().st_size}" for p in sorted(student_dir.glob("*.safetensors"))])
     check_target(layout.export, source_key)
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
-    expected = size_report(student)
-    windows = load_ppl_windows(layout.data)
-    batch = torch.from_numpy(windows[:2])
-    # before export: it packs the weights in place
-    reference, noise, quantization_kl = reload_reference(student, batch)
-    prompts = held_out_prompts(windows)
-    served = student_reference(student, prompts)
-    input_scales = student_input_scales(student)
+    side = student_side(layout, student)
 
-    check_free_space(layout, expected["size_bytes"] + tokenizer_bytes(params.base_model)
-                     + reference_bytes(len(prompts), len(prompts[0]), student.config.vocab_size))
+    check_free_space(layout, side.expected["size_bytes"] + tokenizer_bytes(params.base_model)
+                     + reference_bytes(len(side.prompts), len(side.prompts[0]), side.vocab))
     with disk_full_is_reported(layout), staged_dir(layout.export) as tmp:
         export_hf_checkpoint(student, export_dir=tmp)
         repaired = repair_layer_names(tmp)
         load_tokenizer(params.base_model).save_pretrained(tmp)
-        tensors = read_tensors(tmp)
-        quant_config = read_json(tmp / "hf_quant_config.json")
-        checks = {
-            "formats": check_formats(expected["layer_formats"], tensors, quant_config),
-            "size": check_size(expected["effective_bpe"], tensors),
-            "lint": lint(tensors, input_scales),
-            "reload": check_reload(tmp, tensors, reference, batch, noise, quantization_kl,
-                                   params.base_model.trust_remote_code),
-        }
-        write_reference(tmp, prompts, served)
-        serving_check = check_serving(params, tmp)
-        if serving_check is not None:
-            checks["serving"] = serving_check
+        checks = check_checkpoint(params, tmp, side)
+        serving_check = checks.get("serving")
         size_bytes = sum(p.stat().st_size for p in tmp.glob("*.safetensors"))
-        serving = serving_notes(quant_config, layout.export, serving_check)
+        serving = serving_notes(read_json(tmp / "hf_quant_config.json"), layout.export, serving_check)
         write_result(tmp / "serving.json", serving)
         metrics = ExportMetrics(
             path=str(layout.export),
@@ -240,10 +296,45 @@ def run_export(params: Params, layout: Layout) -> dict:
         )
         write_result(layout.export_metrics, metrics)
         if not metrics.passed:
-            failed = [f"{name}: {c.get('problems') or c.get('summary') or c}" for name, c in checks.items() if not c["passed"]]
-            raise ExportCheckFailed("export verification failed; nothing was put in place. " + "; ".join(failed))
+            raise ExportCheckFailed("export verification failed; nothing was put in place. "
+                                    + "; ".join(failed_checks(checks)))
         write_json(tmp / MANIFEST, {"source": source_key, "student": str(student_dir), "exported": source})
     return dump_result(metrics)
+
+
+def verify_export(params: Params, layout: Layout, checkpoint: Path) -> dict:
+    """`qad-pipeline verify-export`: the export's checks (`check_checkpoint`) on any checkpoint folder
+    (an export converted, copied or edited by hand) against the student of the run in `layout`, the
+    one its export's manifest names. Nothing in `checkpoint` changes: the checks read it through a
+    folder of links, beside which the student's serving reference is written."""
+    from qad_pipeline.modeling import load_model
+    from qad_pipeline.serving_reference import REFERENCE_FILE
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file() or not (checkpoint / "hf_quant_config.json").is_file():
+        raise ConfigError(f"{checkpoint} is not an exported checkpoint (it needs config.json and hf_quant_config.json)")
+    manifest = layout.export / MANIFEST
+    if not manifest.is_file():
+        raise ConfigError(f"{layout.root} holds no finished export ({manifest} is missing): give the --out-root of a "
+                          "run whose export stage passed (its student is what the checkpoint is checked against)")
+    exported = read_json(manifest)["exported"]
+    student_dir = source_folder(layout, exported)
+    if not (student_dir / "config.json").is_file():
+        raise ConfigError(f"the run's student {student_dir} ({exported}, which {manifest} names) is gone: "
+                          "the checks compare the checkpoint with it")
+    side = student_side(layout, load_model(params.base_model, params.hardware, folder=student_dir,
+                                           dtype=torch.bfloat16))
+    with tempfile.TemporaryDirectory(prefix="qad-verify-export-") as tmp:
+        view = Path(tmp)
+        for file in checkpoint.iterdir():
+            if file.name != REFERENCE_FILE:
+                os.symlink(file.resolve(), view / file.name)
+        checks = check_checkpoint(params, view, side)
+    failed = failed_checks(checks)
+    return {"checkpoint": str(checkpoint), "student": exported, "checks": checks, "passed": not failed,
+            "summary": (f"verify-export passed: {checkpoint} against the run's student ({exported}): "
+                        + ", ".join(checks)) if not failed else
+                       f"verify-export FAILED: {checkpoint} against the run's student ({exported}): " + "; ".join(failed)}
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:

@@ -1,6 +1,7 @@
 """The serving check: a real vLLM (its own pinned environment, `qad-pipeline setup-vllm`) loads the
 exports and agrees with the student they were exported from."""
 
+import json
 import re
 import shlex
 import subprocess
@@ -24,12 +25,16 @@ from tests.conftest import TINY
 RECIPE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"  # the most aggressive: NVFP4 W4A4 MLP, NVFP4 KV cache
 
 
-def real_params(*overrides: str):
+def real_overrides(*overrides: str) -> list[str]:
     """The real model's tiny run: one task, the one recipe, its PTQ checkpoint exported."""
     from benchmarks.real_model import build_real_model
 
-    return load_params(overrides=TINY + [f"base_model.path={build_real_model()}", "eval.tasks=[heldout_continuation]",
-                                         f"ptq.recipes=[{RECIPE}]", f"export.source=ptq/{RECIPE}", *overrides])
+    return TINY + [f"base_model.path={build_real_model()}", "eval.tasks=[heldout_continuation]",
+                   f"ptq.recipes=[{RECIPE}]", f"export.source=ptq/{RECIPE}", *overrides]
+
+
+def real_params(*overrides: str):
+    return load_params(overrides=real_overrides(*overrides))
 
 
 def export_real_model(root) -> tuple[dict, Layout, dict]:
@@ -73,12 +78,34 @@ def test_real_model_export_passes_every_check_and_the_full_check_in_vllm(real_ex
     assert set(check["views"]) == {"w4a16", "w4a4"}
     for view in check["views"].values():
         assert view["passed"] and view["kl_divergence"] <= view["kl_divergence_max"]
-        assert view["kl_divergence_max"] == serving_reference.kl_threshold(view["student_noise"], view["quantization_kl"])
-        assert view["kl_divergence"] < view["quantization_kl"]  # the served model is the quantized one, not another
+        assert view["kl_divergence_max"] == serving_reference.kl_threshold(view["student_noise"], view["quantization_kl"],
+                                                                           view["unquantized_kl"])
+        # the served model is the quantized one: measurably closer to the student than the unquantized model
+        assert view["kl_divergence"] < serving_reference.CLOSER_SHARE * min(view["unquantized_kl"],
+                                                                            view["kl_to_unquantized"])
     assert check["kl_divergence"] == check["views"]["w4a16"]["kl_divergence"] and check["top1_agreement"] >= serving.TOP1_MIN
     assert check["decided_positions"] > 0 and check["positions"] == serving_reference.PROMPTS * (serving_reference.PROMPT_LEN - 1)
     assert export["serving_check"]["level"] == "full"
     assert (layout.export / serving.REFERENCE_FILE).is_file()
+
+
+@pytest.mark.slow
+def test_w4a4_view_refuses_the_unquantized_model_served_in_its_place(real_export):
+    """The student with every quantizer off (the reference's own unquantized log-probs, which vLLM
+    serving the BF16 model reproduces to 0.002 nats/token) in each view's place: the w4a4 view's KL
+    line alone (2 x the student's noise, ~0.40) would let it through; the cap and the comparison
+    with the unquantized reference refuse it."""
+    _, layout, _ = real_export
+    reference = serving_reference.read_reference(layout.export)
+    unquantized = reference[serving_reference.UNQUANTIZED]
+    served = {"prompt_logprobs": serving.as_served(unquantized)}
+    for view in serving_reference.VIEWS:
+        result = serving.judge_view(view, served, reference[view], unquantized)
+        assert not result["passed"] and result["kl_to_unquantized"] == pytest.approx(0, abs=1e-9)
+        assert any("not closer to the student" in reason for reason in result["reasons"]), result["reasons"]
+    w4a4 = serving.judge_view("w4a4", served, reference["w4a4"], unquantized)
+    assert w4a4["kl_divergence"] < serving_reference.NOISE_FACTOR * w4a4["student_noise"]  # why the cap is needed
+    assert w4a4["kl_divergence"] > w4a4["kl_divergence_max"] and "not measurably closer" in w4a4["reasons"][0]
 
 
 @pytest.mark.slow
@@ -103,6 +130,45 @@ def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(rea
     last = bad.stdout.strip().splitlines()[-1]
     assert bad.returncode == 1 and last.startswith("serving check FAILED: level full"), bad.stdout + bad.stderr[-2000:]
     assert re.search(r"w4a16: KL [\d.]+ nats/token \(max [\d.]+\), top-1 0\.[01]", last), last
+
+
+@pytest.mark.slow
+def test_verify_export_gives_a_copy_the_export_stages_verdicts_and_refuses_an_edit(real_export, tmp_path):
+    """`verify-export` on a copy of the export (no serving reference: it writes the run's student's
+    beside links to the copy) reproduces the export stage's figures; on a copy whose one layer's
+    global scale was edited, exit 2 and one line naming the check that failed and its figure."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from typer.testing import CliRunner
+
+    from qad_pipeline.cli import app
+
+    export, layout, _ = real_export
+    settings = [arg for item in real_overrides() for arg in ("--set", item)]
+    copy = shutil.copytree(layout.export, tmp_path / "copy", ignore=shutil.ignore_patterns(serving.REFERENCE_FILE))
+    before = {p.name: p.stat().st_mtime_ns for p in copy.iterdir()}
+    good = CliRunner().invoke(app, ["verify-export", str(copy), "--out-root", str(layout.root), "--json", *settings])
+    assert good.exit_code == 0, good.output
+    assert good.output.strip().splitlines()[-1].startswith(f"verify-export passed: {copy} against the run's student")
+    result = json.loads(good.output[good.output.index('{\n  "checkpoint"'):good.output.rindex("}") + 1])
+    assert set(result["checks"]) == set(export["checks"]) == {"formats", "size", "lint", "reload", "serving"}
+    for name in ("formats", "size", "lint"):
+        assert result["checks"][name] == export["checks"][name]
+    assert result["checks"]["reload"]["kl_divergence"] == export["checks"]["reload"]["kl_divergence"]
+    for view, figures in export["checks"]["serving"]["views"].items():
+        assert result["checks"]["serving"]["views"][view]["kl_divergence"] == pytest.approx(figures["kl_divergence"],
+                                                                                              rel=1e-6)
+    assert {p.name: p.stat().st_mtime_ns for p in copy.iterdir()} == before  # nothing written into the folder
+
+    tensors = read_tensors(copy)
+    tensors["model.layers.3.mlp.down_proj.weight_scale_2"] *= 1.5  # one layer's global scale, edited
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    bad = CliRunner().invoke(app, ["verify-export", str(copy), "--out-root", str(layout.root), *settings,
+                                   "--set", "export.serving_check=skip"])
+    last = bad.output.strip().splitlines()[-1]
+    assert bad.exit_code == 2 and re.fullmatch(r"error: verify-export FAILED: \S+ against the run's student \(ptq/\S+\):"
+                                               r" reload: \{'kl_divergence': [\d.e-]+, 'tolerance': [\d.e-]+\}", last), last
 
 
 @pytest.mark.slow
@@ -223,6 +289,7 @@ def test_reference_file_is_not_a_weight_file_a_server_would_load(real_export):
             assert ref[f"{view}_logprobs"].shape == (serving_reference.PROMPTS, serving_reference.PROMPT_LEN - 1,
                                                      serving_reference.TOP_K)
             assert 0 <= float(ref[f"{view}_noise"]) < float(ref[f"{view}_own_kl"])
+        assert ref[f"{serving_reference.UNQUANTIZED}_logprobs"].shape == ref["w4a16_logprobs"].shape
     assert not list(layout.export.glob("serving_reference*.safetensors"))
 
 
