@@ -107,7 +107,7 @@ def run_steps(step: QADStep, windows, stream, n: int) -> list[float]:
     for _, event in pending[-1:]:
         if event is not None:
             event.synchronize()
-    return [value.item() for value, _ in pending]
+    return [value[0].item() for value, _ in pending]  # [loss, gradient norm]
 
 
 def host_syncs(step: QADStep, windows, stream) -> dict:

@@ -2,7 +2,9 @@
 
 - `started`/`finished` keep the set of live stage processes; `stop_all` stops them (SIGTERM to
   each one's process group, so torchrun's and the serving check's children too; SIGKILL after a
-  grace period) when a run is cancelled (SIGTERM, Ctrl-C, a Prefect cancel).
+  grace period) when a run is cancelled (SIGTERM, Ctrl-C, a Prefect cancel). A stage process
+  started after that (a task already submitted) gets SIGTERM as it is registered: a stopped run
+  starts no more work.
 - `die_with_parent`: a stage process started by a run gets SIGTERM when that run's process dies,
   even by SIGKILL.
 - `exit_on_sigterm`: a stage process turns SIGTERM into SystemExit, so its `finally` blocks run
@@ -26,11 +28,14 @@ from pathlib import Path
 
 _live: set[subprocess.Popen] = set()
 _lock = threading.Lock()
+_stopping = False  # stop_all has run: this process's run is stopping
 
 
 def started(proc: subprocess.Popen) -> None:
     with _lock:
         _live.add(proc)
+        if _stopping:
+            _signal_group(proc, signal.SIGTERM)  # stop_all has already looked: nothing new runs
 
 
 def finished(proc: subprocess.Popen) -> None:
@@ -49,9 +54,12 @@ def stop_all(grace_s: float = 10.0) -> list[int]:
     """Stop every live stage process and its children; the pids that were stopped.
 
     SIGTERM to each process group, then SIGKILL to what is left after `grace_s`. The thread that
-    started a process reaps it (and calls `finished`); this only waits for that to happen.
+    started a process reaps it (and calls `finished`); this only waits for that to happen. From
+    here on `started` stops each process it is given.
     """
+    global _stopping
     with _lock:
+        _stopping = True
         procs = [p for p in _live if p.returncode is None]
     for proc in procs:
         _signal_group(proc, signal.SIGTERM)

@@ -221,8 +221,10 @@ def full_logits_loss(s: QADStep, rows: np.ndarray, student_logits, teacher_logit
 
 
 def train_step(s: QADStep, windows: np.ndarray, stream) -> torch.Tensor:
-    """One optimizer step over qad.grad_accum micro-batches of `stream`: the global batch's loss
-    (float64, on the device: read it with `host_copy`), then clip, AdamW, schedule."""
+    """One optimizer step over qad.grad_accum micro-batches of `stream`: [the global batch's loss, the
+    gradient's norm before clipping] (float64, on the device: read it with `host_copy`), then clip,
+    AdamW, schedule. The norm is what tells a summed gradient from an averaged one: AdamW and the
+    clipping make the loss curve all but blind to the gradient's scale."""
     device = s.world.device if s.world.size > 1 else s.student_device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(s.qad.grad_accum):
@@ -232,11 +234,12 @@ def train_step(s: QADStep, windows: np.ndarray, stream) -> torch.Tensor:
         dist.all_reduce(total)
         total /= s.world.size  # the mean over the processes
     with record_function("qad.optimizer"):
-        torch.nn.utils.clip_grad_norm_(s.student.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(s.student.parameters(), 1.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
         s.optimizer.step()
         s.scheduler.step()
         s.optimizer.zero_grad(set_to_none=True)
-    return total
+    return torch.stack([total, norm.to(total)])
 
 
 def host_copy(value: torch.Tensor):
@@ -308,14 +311,14 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
             step_no, value, event, lr = pending.pop(0)
             if event is not None:
                 event.synchronize()
-            total = value.item()
+            total, grad_norm = value.tolist()
             if not math.isfinite(total):
                 saved = f"the last good checkpoint is {last}" if (last / "state.pt").is_file() else "no checkpoint yet"
                 raise QADDiverged(
                     f"QAD loss is {total} at step {step_no}; training stopped ({saved}). "
                     "Lower qad.lr or check the training text."
                 )
-            losses.append({"step": step_no, "loss": total, "lr": lr})
+            losses.append({"step": step_no, "loss": total, "grad_norm": grad_norm, "lr": lr})
             bar.set_postfix(loss=f"{total:.5f}")
 
     for step in bar:

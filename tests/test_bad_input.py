@@ -1,8 +1,8 @@
 """Bad input gets one clear line naming the bad value, before any model weights are loaded.
 
 Each refusal: exit status 2, one line naming the bad thing, no traceback, nothing written under the
-out-root, in seconds. Most cases call the `qad-pipeline` command in this process (its preflight is
-what runs); a few run the real `qad-pipeline run` process.
+out-root (so no stage process started: its log would be there). Most cases call the `qad-pipeline`
+command in this process (its preflight is what runs); a few run the real `qad-pipeline run` process.
 """
 
 import json
@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 from typer.testing import CliRunner
@@ -23,7 +22,6 @@ from tests.http_stub import serve
 
 runner = CliRunner()
 GOOD_RECIPE = "nvfp4_max-mamba_fp8-kv_fp8"
-PREFLIGHT_SECONDS = 30  # a refusal on a busy 2-core machine, imports included; measured: see the report
 
 
 def run_cli(*args):
@@ -34,33 +32,27 @@ def run_cli(*args):
 def refused(out_root, *args, env=None):
     """`qad-pipeline run` in this process: (one-line message) after asserting the refusal's shape."""
     out_root.mkdir(exist_ok=True)
-    started = time.monotonic()
     code, out = run_cli("run", "--out-root", str(out_root), *args)
-    seconds = time.monotonic() - started
     assert code == 2, out
     assert "Traceback" not in out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out
     assert not any(out_root.iterdir()), f"written: {list(out_root.iterdir())}"
-    assert seconds < PREFLIGHT_SECONDS, f"{seconds:.1f}s"
     return lines[0]
 
 
 def refused_process(out_root, *args, env=None):
     """The real `qad-pipeline run` process: (its one error line) after asserting the refusal's shape."""
     out_root.mkdir(exist_ok=True)
-    started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "qad_pipeline", "run", "--out-root", str(out_root), *args],
                           capture_output=True, text=True, cwd=PROJECT_ROOT, env={**os.environ, **(env or {})},
                           timeout=120)
-    seconds = time.monotonic() - started
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out
     assert "Traceback" not in out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out
     assert not any(out_root.iterdir()), f"written: {list(out_root.iterdir())}"
-    assert seconds < PREFLIGHT_SECONDS + 30, f"{seconds:.1f}s"  # + a fresh interpreter's imports
     return lines[0]
 
 

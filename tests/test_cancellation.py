@@ -7,7 +7,7 @@ cache (no process: its usage file is untouched), QAD trains no step again, and t
 first finish's. Real processes, no mocks."""
 
 import hashlib
-import json
+import os
 import signal
 import subprocess
 import sys
@@ -73,32 +73,39 @@ def test_sigterm_stops_every_process_and_the_same_command_resumes_running_nothin
         assert run.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         assert time.time() < deadline, "the PTQ stage never started"
         seen |= descendants(run.pid)
-        time.sleep(0.5)
-    # the signal lands while the recipe works: alone on this machine the tiny PTQ stage writes its
-    # checkpoint within 2 s of its first log line (the 2 s this waited before let it finish first in a
-    # fresh-clone CI run and in every run alone here), so the signal goes half a second in
-    time.sleep(0.5)
+        time.sleep(0.05)
+    # The signal lands while the recipe works, whatever the machine's load: its process is frozen
+    # (SIGSTOP) at its first log line (~2 s of work before its checkpoint, alone here), the run gets
+    # SIGTERM, and the recipe is thawed (SIGCONT) once the run's SIGTERM to it is pending (/proc's
+    # ShdPnd): no timer decides the order (half a second after that line lost the race on a busy machine).
     seen |= descendants(run.pid)
-    stopped_at = time.time()
+    [stage] = [p for p in seen if f" stage ptq {RECIPE} " in cmdline(p)]
+    os.kill(stage, signal.SIGSTOP)
+    while state(stage) not in ("T", "Z", ""):  # the kernel stops it as it next runs
+        time.sleep(0.01)
+    assert state(stage) == "T", f"the recipe's process ended before it was frozen: {state(stage)!r}"
+    assert not (root / "artifacts" / "logs" / f"ptq-{RECIPE}.usage.json").exists()
     run.send_signal(signal.SIGTERM)
+    deadline = time.time() + 60
+    while not sigterm_pending(stage):
+        assert time.time() < deadline, "the run never passed its SIGTERM on to the recipe's process"
+        time.sleep(0.05)
+    os.kill(stage, signal.SIGCONT)
     code = run.wait(timeout=90)
-    took = time.time() - stopped_at
     log.close()
     output = (tmp_path / "first.log").read_text()
-    time.sleep(1)
 
     assert code == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output
-    assert took < 60, f"the run took {took:.0f} s to stop"
     assert len(seen) >= 2  # at least the temporary server and the PTQ stage process were there
+    deadline = time.time() + 10  # the watchdog's SIGTERM, then its SIGKILL after 3 s
+    while [p for p in seen if alive(p)] and time.time() < deadline:
+        time.sleep(0.1)
     left = sorted(p for p in seen if alive(p))
     assert not left, f"still running after the run ended: {[Path(f'/proc/{p}/cmdline').read_bytes()[:200] for p in left]}"
     assert not list(root.rglob("*.partial")), "a half-written output folder was left behind"
-    # nothing looks complete that is not: a checkpoint only where its stage process ended well (on a
-    # busy machine the recipe can finish before the signal lands)
-    recipe_usage = root / "artifacts" / "logs" / f"ptq-{RECIPE}.usage.json"
-    finished = recipe_usage.is_file() and json.loads(recipe_usage.read_text())["exit_code"] == 0
-    assert finished or not (root / "artifacts" / "ptq" / RECIPE / "checkpoint").exists()
+    # nothing looks complete that is not: the recipe was stopped before its checkpoint
+    assert not (root / "artifacts" / "ptq" / RECIPE / "checkpoint").exists()
     store = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     runs = store.search_runs([e.experiment_id for e in store.search_experiments()])
     assert runs and not [r.info.run_id for r in runs if r.info.status == "RUNNING"]
@@ -117,6 +124,22 @@ def test_sigterm_stops_every_process_and_the_same_command_resumes_running_nothin
     leaks = [(name, where) for name, value in SECRETS.items() for where, data in outputs.items()
              if value.encode() in data]
     assert not leaks, leaks
+
+
+def state(pid: int) -> str:
+    """The process's state letter (/proc's field 3: R, S, T stopped, Z zombie); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def sigterm_pending(pid: int) -> bool:
+    """A process-wide SIGTERM waits for the process (a frozen one takes it once thawed)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 def start_time(pid: int) -> str | None:
@@ -228,3 +251,17 @@ def test_watchdog_ends_with_its_run_and_stops_only_what_the_run_left_behind():
         assert bystander.poll() is None
     finally:
         bystander.kill()
+
+
+def test_a_stage_process_started_after_stop_all_is_stopped_at_once():
+    """A task submitted before the stop starts its process after `stop_all` has looked: `started`
+    stops it (in a process of its own: the stop is for good)."""
+    run = ("import subprocess\n"
+           "from qad_pipeline import processes\n"
+           "processes.stop_all(grace_s=0)\n"
+           "late = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
+           "processes.started(late)\n"
+           "print(late.wait(timeout=10))\n")
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, env=tool_env(), timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == -signal.SIGTERM

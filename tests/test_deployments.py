@@ -206,7 +206,6 @@ def test_cancelled_run_stops_its_recipe_runs_and_the_same_run_resumes(stack, tmp
     parent = stack.run("qad-pipeline/default", args)
     processes = [p for child in working_recipes(stack, parent, GOOD_RECIPES).values() for p in run_processes(child)]
     stack.prefect("flow-run", "cancel", parent)  # what a user types
-    cancelled_at = time.time()
 
     run = stack.wait(parent, timeout=120)
     assert run.state.name == "Cancelled", run.state
@@ -215,7 +214,6 @@ def test_cancelled_run_stops_its_recipe_runs_and_the_same_run_resumes(stack, tmp
     assert {r.state.name for r in children.values()} <= {"Cancelled", "Completed"}, children
     assert any(r.state.name == "Cancelled" for r in children.values())
     wait_until(lambda: not any(alive(p) for p in processes), 30, "the end of every process of the recipe runs")
-    assert time.time() - cancelled_at < 90, f"{time.time() - cancelled_at:.0f} s from the cancel to the last process"
     assert not list(root.rglob("*.partial")), "a half-written output folder was left behind"
     assert not mlflow_running(root)
 

@@ -1,11 +1,10 @@
 """The CPU NVFP4 kernels inside Model Optimizer: its entry points route to them, `mtq.quantize`
-runs with every NVFP4 config on a CPU-only machine, and a 4096x4096 fake quantization is fast.
-The kernels' exactness: test_nvfp4_cpu.py."""
+runs with every NVFP4 config on a CPU-only machine. The kernels' exactness: test_nvfp4_cpu.py;
+their speed: benchmarks/nvfp4_cpu_kernel.py."""
 
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -36,14 +35,6 @@ def installed() -> None:
     if torch.cuda.is_available():
         pytest.skip("the CPU emulation is only installed without CUDA")
     assert nvfp4_cpu.install_cpu_kernels() is True
-
-
-def test_fake_quant_4096_square_is_fast():
-    w = torch.randn(4096, 4096, dtype=torch.bfloat16)
-    nvfp4_cpu.fp4_fake_quant_block(w[:16], w.float().abs().amax())  # warm-up
-    start = time.perf_counter()
-    nvfp4_cpu.fp4_fake_quant_block(w, w.float().abs().amax())
-    assert time.perf_counter() - start < 2.5  # ~0.4 s on two busy cores
 
 
 def _forward_loop(ids: torch.Tensor):

@@ -14,6 +14,7 @@ from qad_pipeline.results.scores import TaskScore
 class LossPoint(Strict):
     step: int
     loss: float
+    grad_norm: float | None = None  # before clipping; None in a curve written before it was recorded
     lr: float
 
 
