@@ -29,8 +29,9 @@ import torch
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, StageError
-from qad_pipeline.export_checks import (check_formats, check_reload, check_size, lint, read_tensors, reload_reference,
-                                        student_input_scales)
+from qad_pipeline.export_checks import (check_formats, check_reload, check_size, check_weights, checkpoint_weights,
+                                        read_tensors, reload_reference, student_weights)
+from qad_pipeline.export_lint import lint, student_input_scales, student_weight_scales
 from qad_pipeline.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.export import ExportMetrics, ServingCheck, ServingNotes
@@ -197,7 +198,8 @@ def run_export(params: Params, layout: Layout) -> dict:
     reference, noise, quantization_kl = reload_reference(student, batch)
     prompts = held_out_prompts(windows)
     served = student_reference(student, prompts)
-    input_scales = student_input_scales(student)
+    input_scales, weight_scales = student_input_scales(student), student_weight_scales(student)
+    quantized = student_weights(student)
 
     check_free_space(layout, expected["size_bytes"] + tokenizer_bytes(params.base_model)
                      + reference_bytes(len(prompts), len(prompts[0]), student.config.vocab_size))
@@ -210,10 +212,12 @@ def run_export(params: Params, layout: Layout) -> dict:
         checks = {
             "formats": check_formats(expected["layer_formats"], tensors, quant_config),
             "size": check_size(expected["effective_bpe"], tensors),
-            "lint": lint(tensors, input_scales),
-            "reload": check_reload(tmp, tensors, reference, batch, noise, quantization_kl,
-                                   params.base_model.trust_remote_code),
+            "lint": lint(tensors, input_scales, read_json(tmp / "config.json"), quant_config, weight_scales),
+            "weights": check_weights(tensors, quantized, checkpoint_weights(student_dir)),
         }
+        del quantized  # a BF16 copy of the NVFP4 layers, gone before the reload builds its model
+        checks["reload"] = check_reload(tmp, tensors, reference, batch, noise, quantization_kl,
+                                        params.base_model.trust_remote_code)
         write_reference(tmp, prompts, served)
         serving_check = check_serving(params, tmp)
         if serving_check is not None:

@@ -32,13 +32,14 @@ def real_params(*overrides: str):
                                          f"ptq.recipes=[{RECIPE}]", f"export.source=ptq/{RECIPE}", *overrides])
 
 
-def export_real_model(root) -> tuple[dict, Layout, dict]:
+def export_real_model(root, *overrides: str) -> tuple[dict, Layout, dict]:
     """PTQ with the most aggressive recipe, then the export of that PTQ checkpoint (`export.source
     ptq/<recipe>`, as `selection.policy: ptq_final` exports it), serving check included, of
     SmolLM2-135M-Instruct: a real pretrained model (`benchmarks/real_model.py`) with the outliers
     and block-scale range random weights lack, tied embeddings, head size 64 and a hidden size
-    (576) that is no multiple of 128. Returns (export metrics, layout, PTQ result)."""
-    params = real_params()
+    (576) that is no multiple of 128; `overrides` of params (e.g. export.serving_check=skip).
+    Returns (export metrics, layout, PTQ result)."""
+    params = real_params(*overrides)
     folder = params.base_model.path
     layout = Layout(root)
     build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
