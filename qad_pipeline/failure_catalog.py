@@ -204,12 +204,14 @@ def kv_scale_missing(folder: Path, dest: Path, module: str = "model.layers.7.sel
     return rewrite(folder, dest, tensors=edit)
 
 
-def up_proj_scaled(folder: Path, dest: Path, factor: float = 1.10) -> Path:
-    """The fused-scale bug's shape at a fraction of its strength: every layer's up_proj global scale
-    `factor` off (the bug scales one fused half by its ratio to the other's global scale)."""
+def mlp_scaled(folder: Path, dest: Path, factor: float = 1.015) -> Path:
+    """A bug at a fraction of the fused-scale bug's strength: every layer's gate_proj and up_proj
+    global scales `factor` off the student's, the pair kept equal (so vLLM's fused GEMM serves
+    exactly these values: scaling up_proj alone would also set off the fused-scale class)."""
     def edit(state: Tensors) -> None:
-        for module in mlp_layers(state, "up_proj"):
-            state[f"{module}.weight_scale_2"] = state[f"{module}.weight_scale_2"] * factor
+        for proj in ("gate_proj", "up_proj"):
+            for module in mlp_layers(state, proj):
+                state[f"{module}.weight_scale_2"] = state[f"{module}.weight_scale_2"] * factor
     return rewrite(folder, dest, tensors=edit)
 
 
@@ -250,6 +252,6 @@ CATALOG = [
     Entry("nvfp4_layer_left_bf16", "a layer the recipe quantizes left in BF16", "", "smollm2", "formats",
           nvfp4_layer_left_bf16),
     Entry("kv_scale_missing", "a KV-cache scale missing", "", "smollm2", "lint", kv_scale_missing),
-    Entry("up_proj_scaled", "a bug ~1/6 of the fused-scale bug's KL (every up_proj's global scale 10 % off)", "",
-          "smollm2", "lint+student", up_proj_scaled),
+    Entry("mlp_scaled", "a bug ~1/6 of the fused-scale bug's KL (gate/up global scales 1.5 % off)", "", "smollm2",
+          "lint+student", mlp_scaled),
 ]

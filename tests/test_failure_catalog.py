@@ -38,7 +38,7 @@ REFUSED_WITH = {
     "nvfp4_layer_left_bf16": r"^model\.layers\.3\.mlp\.down_proj\.weight: expected nvfp4, exported as bf16",
     "kv_scale_missing": r"^model\.layers\.7\.self_attn\.k_proj\.k_scale: missing, and hf_quant_config quantizes the "
                         r"KV cache \(NVFP4\)",
-    "up_proj_scaled": r"^model\.layers\.\d+\.mlp\.up_proj\.weight_scale_2: [\d.e-]+, the student's calibrated",
+    "mlp_scaled": r"^model\.layers\.\d+\.mlp\.(gate|up)_proj\.weight_scale_2: [\d.e-]+, the student's calibrated",
 }
 
 
