@@ -3,7 +3,7 @@
 Exports the QAD student (or, with `export.source`, a PTQ checkpoint; with selection.policy
 ptq_final, the selected one) with Model Optimizer's `export_hf_checkpoint` (a unified Hugging Face
 checkpoint: `hf_quant_config.json`, packed NVFP4 weights with FP8 block scales and FP32 global
-scales) and verifies it before the folder is put in place: formats, size, lint and reload
+scales) and verifies it before the folder is put in place: formats, size, lint, weights and reload
 (`qad_pipeline.export_checks`), then serving: a real vLLM, in its own pinned environment, loads
 the checkpoint (`qad_pipeline.serving`): at the `full` level its prompt log-probs on held-out
 windows agree with the student's, which this stage writes beside the weights
