@@ -15,7 +15,7 @@ from qad_pipeline.export_checks import check_formats, check_weights, checkpoint_
 from qad_pipeline.export_lint import lint, lint_folder, student_input_scales, student_weight_scales
 from qad_pipeline.modeling import load_model
 from qad_pipeline.sizes import size_report
-from tests.test_serving import RECIPE, export_real_model, real_params
+from tests.test_serving import RECIPE, real_params
 
 # entry -> the problem line its check gives (a regular expression, searched in each line)
 REFUSED_WITH = {
@@ -61,9 +61,9 @@ def with_student(folder, student_dir, params) -> Export:
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The real SmolLM2-135M export (tests/test_serving.py builds it the same way), without vLLM."""
-    _, layout, _ = export_real_model(tmp_path_factory.mktemp("catalog-export"), "export.serving_check=skip")
+def smollm2(real_export):
+    """The real SmolLM2-135M export, the session's (tests/conftest.py: shared with tests/test_serving.py)."""
+    _, layout, _ = real_export
     return with_student(layout.export, layout.ptq(RECIPE) / "checkpoint", real_params())
 
 

@@ -32,25 +32,20 @@ def real_params(*overrides: str):
                                          f"ptq.recipes=[{RECIPE}]", f"export.source=ptq/{RECIPE}", *overrides])
 
 
-def export_real_model(root, *overrides: str) -> tuple[dict, Layout, dict]:
+def export_real_model(root) -> tuple[dict, Layout, dict]:
     """PTQ with the most aggressive recipe, then the export of that PTQ checkpoint (`export.source
     ptq/<recipe>`, as `selection.policy: ptq_final` exports it), serving check included, of
     SmolLM2-135M-Instruct: a real pretrained model (`benchmarks/real_model.py`) with the outliers
     and block-scale range random weights lack, tied embeddings, head size 64 and a hidden size
-    (576) that is no multiple of 128; `overrides` of params (e.g. export.serving_check=skip).
-    Returns (export metrics, layout, PTQ result)."""
-    params = real_params(*overrides)
+    (576) that is no multiple of 128. Returns (export metrics, layout, PTQ result); the session's
+    is the `real_export` fixture (tests/conftest.py)."""
+    params = real_params()
     folder = params.base_model.path
     layout = Layout(root)
     build_calibration(params, AutoTokenizer.from_pretrained(folder), layout.data)
     run_baseline(params, layout.data, layout.baseline_metrics, layout.reference)
     ptq = run_ptq(params, RECIPE, layout.data, layout.reference, layout.ptq(RECIPE))
     return run_export(params, layout), layout, ptq
-
-
-@pytest.fixture(scope="module")
-def real_export(tmp_path_factory):
-    return export_real_model(tmp_path_factory.mktemp("real-export"))
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
