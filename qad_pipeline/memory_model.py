@@ -35,8 +35,9 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       L·b·T·(ACT_TRAIN_H·H + ACT_TRAIN_F·F)·a (gradient checkpointing: Nw·a/L and
                       L·b·T·H·a + one layer) + kd_logits b·T·V·4·KD_LOGIT_COPIES, b the rows per
                       process, qad.batch_size / W
-    export            the student + the exported tensors read back (at most N·d) + the dequantized
-                      BF16 reload N·2 of the check (on the host whatever the device)
+    export            the student + the exported tensors read back (at most N·d) + the weights
+                      check's BF16 copy of the student's NVFP4 weights (at most Nw·2) + the
+                      dequantized BF16 reload N·2 of the check (on the host whatever the device)
 
 On CUDA the model's terms go to `device_bytes` (per GPU, + CUDA_CONTEXT) and the host keeps the
 process (+ CUDA_HOST_EXTRA) and what is copied to it (a checkpoint shard while saving, the
@@ -333,7 +334,11 @@ def export_phases(params: Params, shape: ModelShape, device: str, item: str | No
     resident = _weights(params, shape, _any_static(params))
     exported = shape.params * DTYPE_BYTES[params.base_model.dtype]  # at most: NVFP4 packs 4x smaller
     check_logits = 2 * params.eval.seq_len * shape.vocab * 4 * 3  # two windows, student and reload
-    return [Phase("export", None, resident, host={"exported": exported, **_save_copy(params, shape, device)}),
+    # the weights check's copy of the student's fake-quantized NVFP4 weights (at most the matrices,
+    # BF16), held from before the export until the check, freed before the reload's model
+    student_weights = shape.matrix_params * 2
+    return [Phase("export", None, resident, host={"exported": exported, "student_nvfp4_weights": student_weights,
+                                                  **_save_copy(params, shape, device)}),
             Phase("reload_check", None, resident, host={"exported_read_back": exported,
                                                         "dequantized_reload": shape.params * 2,
                                                         "check_logits": check_logits})]

@@ -3,7 +3,7 @@
 Exports the QAD student (or, with `export.source`, a PTQ checkpoint; with selection.policy
 ptq_final, the selected one) with Model Optimizer's `export_hf_checkpoint` (a unified Hugging Face
 checkpoint: `hf_quant_config.json`, packed NVFP4 weights with FP8 block scales and FP32 global
-scales) and verifies it before the folder is put in place: formats, size, lint and reload
+scales) and verifies it before the folder is put in place: formats, size, lint, weights and reload
 (`qad_pipeline.export_checks`), then serving: a real vLLM, in its own pinned environment, loads
 the checkpoint (`qad_pipeline.serving`): at the `full` level its prompt log-probs on held-out
 windows agree with the student's, which this stage writes beside the weights
@@ -32,8 +32,9 @@ import torch
 
 from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.config import ConfigError, Params, StageError
-from qad_pipeline.export_checks import (check_formats, check_reload, check_size, lint, read_tensors, reload_reference,
-                                        student_input_scales)
+from qad_pipeline.export_checks import (check_formats, check_reload, check_size, check_weights, checkpoint_weights,
+                                        read_tensors, reload_reference, student_weights)
+from qad_pipeline.export_lint import lint, student_input_scales, student_weight_scales
 from qad_pipeline.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.export import ExportMetrics, ServingCheck, ServingNotes
@@ -194,10 +195,13 @@ class StudentSide:
     prompts: list[list[int]]  # the serving check's held-out prompts
     served: dict  # student_reference: per view what vLLM must reproduce
     input_scales: dict[str, float]  # the calibrated input scales the lint expects
+    weight_scales: dict[str, float]  # the student's global weight scales the lint expects
+    quantized: dict | None  # the student's quantized weights, for the weights check (then dropped)
+    student_dir: Path  # its checkpoint: the weights check reads each block's original weights there
     vocab: int
 
 
-def student_side(layout: Layout, student) -> StudentSide:
+def student_side(layout: Layout, student, student_dir: Path) -> StudentSide:
     """The student's side of every check, on the run's held-out windows."""
     from qad_pipeline.calibration_data import load_ppl_windows
     from qad_pipeline.serving_reference import held_out_prompts, student_reference
@@ -208,24 +212,28 @@ def student_side(layout: Layout, student) -> StudentSide:
     prompts = held_out_prompts(windows)
     return StudentSide(expected=size_report(student), batch=batch, reload=reload_reference(student, batch),
                        prompts=prompts, served=student_reference(student, prompts),
-                       input_scales=student_input_scales(student), vocab=student.config.vocab_size)
+                       input_scales=student_input_scales(student), weight_scales=student_weight_scales(student),
+                       quantized=student_weights(student), student_dir=student_dir, vocab=student.config.vocab_size)
 
 
 def check_checkpoint(params: Params, folder: Path, side: StudentSide) -> dict[str, dict]:
     """The export's checks of the checkpoint in `folder` against the student (`side`): formats, size,
-    lint, reload, and (unless export.serving_check is skip) serving, for which the student's
+    lint, weights, reload, and (unless export.serving_check is skip) serving, for which the student's
     `serving_reference.npz` is written into `folder` first."""
     from qad_pipeline.serving_reference import write_reference
 
     tensors = read_tensors(folder)
     reference, noise, quantization_kl = side.reload
+    quant_config = read_json(folder / "hf_quant_config.json")
     checks = {
-        "formats": check_formats(side.expected["layer_formats"], tensors, read_json(folder / "hf_quant_config.json")),
+        "formats": check_formats(side.expected["layer_formats"], tensors, quant_config),
         "size": check_size(side.expected["effective_bpe"], tensors),
-        "lint": lint(tensors, side.input_scales),
-        "reload": check_reload(folder, tensors, reference, side.batch, noise, quantization_kl,
-                               params.base_model.trust_remote_code),
+        "lint": lint(tensors, side.input_scales, read_json(folder / "config.json"), quant_config, side.weight_scales),
+        "weights": check_weights(tensors, side.quantized, checkpoint_weights(side.student_dir)),
     }
+    side.quantized = None  # a BF16 copy of the NVFP4 layers, gone before the reload builds its model
+    checks["reload"] = check_reload(folder, tensors, reference, side.batch, noise, quantization_kl,
+                                    params.base_model.trust_remote_code)
     write_reference(folder, side.prompts, side.served)
     serving_check = check_serving(params, folder)
     if serving_check is not None:
@@ -264,7 +272,7 @@ def run_export(params: Params, layout: Layout) -> dict:
                              + [f"{p.name}:{p.stat().st_size}" for p in sorted(student_dir.glob("*.safetensors"))])
     check_target(layout.export, source_key)
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
-    side = student_side(layout, student)
+    side = student_side(layout, student, student_dir)
 
     check_free_space(layout, side.expected["size_bytes"] + tokenizer_bytes(params.base_model)
                      + reference_bytes(len(side.prompts), len(side.prompts[0]), side.vocab))
@@ -323,7 +331,7 @@ def verify_export(params: Params, layout: Layout, checkpoint: Path) -> dict:
         raise ConfigError(f"the run's student {student_dir} ({exported}, which {manifest} names) is gone: "
                           "the checks compare the checkpoint with it")
     side = student_side(layout, load_model(params.base_model, params.hardware, folder=student_dir,
-                                           dtype=torch.bfloat16))
+                                           dtype=torch.bfloat16), student_dir)
     with tempfile.TemporaryDirectory(prefix="qad-verify-export-") as tmp:
         view = Path(tmp)
         for file in checkpoint.iterdir():

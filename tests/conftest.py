@@ -65,6 +65,29 @@ def pipeline_run(tmp_path_factory, demo_model_path):
     return summary, Layout(Path(root)), overrides, prefect
 
 
+@pytest.fixture(scope="session")
+def real_export(tmp_path_factory):
+    """SmolLM2-135M's PTQ export with the full serving check (`tests.test_serving.export_real_model`),
+    built once for the session and shared by every file (and pytest-xdist worker) that reads it, as
+    `pipeline_run` is. Returns (export metrics, layout, PTQ result); a test that changes it works
+    on a copy."""
+    from filelock import FileLock
+
+    from tests.test_serving import export_real_model
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    kept = shared / "real_export.pickle"
+    with FileLock(str(shared / "real_export.lock")):
+        if not kept.is_file():
+            root = shared / "real_export"
+            shutil.rmtree(root, ignore_errors=True)  # a failed attempt of this session's
+            export, layout, ptq = export_real_model(root)
+            kept.write_bytes(pickle.dumps((export, str(layout.root), ptq)))
+    export, root, ptq = pickle.loads(kept.read_bytes())
+    return export, Layout(Path(root)), ptq
+
+
 def _run_the_flow(root: Path) -> tuple:
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
