@@ -204,6 +204,16 @@ def kv_scale_missing(folder: Path, dest: Path, module: str = "model.layers.7.sel
     return rewrite(folder, dest, tensors=edit)
 
 
+def nibbles_swapped(folder: Path, dest: Path) -> Path:
+    """Every packed FP4 weight with its two nibbles swapped: every shape and scale valid, the values
+    not (the serving check's own corruption: both views fail by orders of magnitude)."""
+    def edit(state: Tensors) -> None:
+        for name, t in state.items():
+            if t.dtype == torch.uint8 and name.endswith(".weight"):
+                state[name] = ((t >> 4) | (t << 4)).to(torch.uint8)
+    return rewrite(folder, dest, tensors=edit)
+
+
 def mlp_scaled(folder: Path, dest: Path, factor: float = 1.015) -> Path:
     """A bug at a fraction of the fused-scale bug's strength: every layer's gate_proj and up_proj
     global scales `factor` off the student's, the pair kept equal (so vLLM's fused GEMM serves

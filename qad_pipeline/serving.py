@@ -394,22 +394,3 @@ def check_serve_command(command: str, env: Path | None = None) -> dict:
     if proc.returncode != 0:
         raise ServingCheckFailed(f"vLLM refuses `{command}`: " + " | ".join(proc.stderr.strip().splitlines()[-3:]))
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def corrupt_copy(folder: Path, dest: Path) -> Path:
-    """A copy of the export whose packed FP4 weights have their two nibbles swapped (a test's
-    deliberately broken checkpoint: every shape and scale is valid, the values are not)."""
-    from safetensors.torch import save_file
-
-    from qad_pipeline.export_checks import read_tensors
-
-    shutil.copytree(folder, dest)
-    tensors = read_tensors(folder)
-    for name, t in tensors.items():
-        if t.dtype == torch.uint8 and name.endswith(".weight"):
-            tensors[name] = ((t >> 4) | (t << 4)).to(torch.uint8)
-    for shard in dest.glob("*.safetensors"):
-        shard.unlink()
-    (dest / "model.safetensors.index.json").unlink(missing_ok=True)
-    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    return dest

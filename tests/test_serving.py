@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 from qad_pipeline import serving, serving_reference
 from qad_pipeline.config import load_params
 from qad_pipeline.export_checks import read_tensors
+from qad_pipeline.failure_catalog import nibbles_swapped
 from qad_pipeline.layout import Layout
 from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
@@ -121,7 +122,7 @@ def test_verify_serving_command_passes_the_export_and_fails_a_corrupted_copy(rea
     assert passed["summary"].startswith("serving check passed: level full")
     monkeypatch.undo()
 
-    broken = serving.corrupt_copy(layout.export, tmp_path / "swapped")  # FP4 nibbles swapped
+    broken = nibbles_swapped(layout.export, tmp_path / "swapped")
     bad = cli("verify-serving", str(broken))
     last = bad.stdout.strip().splitlines()[-1]
     assert bad.returncode == 1 and last.startswith("serving check FAILED: level full"), bad.stdout + bad.stderr[-2000:]
