@@ -54,14 +54,13 @@ def verify_export_command(
     Exit 0 when every check passes; like the export stage, 2 with one line naming the failed check
     and its figure when one fails (or the input is refused)."""
     from qad_pipeline.config import load_params
+    from qad_pipeline.export_verify import verify_export
     from qad_pipeline.layout import Layout, output_root
 
     try:
         if not checkpoint.is_dir():
             raise ConfigError(f"checkpoint folder {checkpoint} does not exist")
         params = load_params(params_file, list(overrides or []))
-        from tasks.export import verify_export
-
         result = verify_export(params, Layout(output_root(out_root, params_file)), checkpoint)
     except (ConfigError, StageError) as err:
         fail(err)
