@@ -48,21 +48,25 @@ QUANTIZATION_SHARE = 0.03
 CLOSER_SHARE = 0.9
 
 
+def threshold_terms(noise: float, quantization_kl: float, unquantized_kl: float | None = None) -> tuple[float, float]:
+    """(the line before its cap, the cap); `unquantized_kl`: what the unquantized model scores in this
+    comparison (the quantization's own KL where the comparison is the exact KL over the whole
+    vocabulary, as the reload check's)."""
+    return (max(KL_FLOOR, NOISE_FACTOR * noise, QUANTIZATION_SHARE * quantization_kl),
+            CLOSER_SHARE * (quantization_kl if unquantized_kl is None else unquantized_kl))
+
+
 def kl_threshold(noise: float, quantization_kl: float, unquantized_kl: float | None = None) -> float:
-    """A comparison's threshold in nats per token (the constants above); `unquantized_kl`: what the
-    unquantized model scores in this comparison (the quantization's own KL where the comparison is
-    the exact KL over the whole vocabulary, as the reload check's)."""
-    cap = CLOSER_SHARE * (quantization_kl if unquantized_kl is None else unquantized_kl)
-    return min(max(KL_FLOOR, NOISE_FACTOR * noise, QUANTIZATION_SHARE * quantization_kl), cap)
+    """A comparison's threshold in nats per token (the constants above; `threshold_terms`)."""
+    return min(threshold_terms(noise, quantization_kl, unquantized_kl))
 
 
 def threshold_reason(kl: float, noise: float, quantization_kl: float, unquantized_kl: float | None = None) -> str:
     """Why a comparison at `kl` failed its `kl_threshold`, in one phrase: which term set the line."""
-    line = kl_threshold(noise, quantization_kl, unquantized_kl)
-    if line < max(KL_FLOOR, NOISE_FACTOR * noise, QUANTIZATION_SHARE * quantization_kl):
-        unquantized = quantization_kl if unquantized_kl is None else unquantized_kl
+    line, cap = threshold_terms(noise, quantization_kl, unquantized_kl)
+    if cap < line:
         return (f"KL {kl:.4g} nats/token is not measurably closer to the student than the unquantized model "
-                f"({unquantized:.4g}): the threshold is capped at {CLOSER_SHARE} x that ({line:.4g}), "
+                f"({cap / CLOSER_SHARE:.4g}): the threshold is capped at {CLOSER_SHARE} x that ({cap:.4g}), "
                 f"below {NOISE_FACTOR} x the student's noise ({noise:.4g})")
     return f"KL {kl:.4g} nats/token is over its threshold {line:.4g}"
 
