@@ -26,7 +26,7 @@ what racing spent against a full evaluation.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from qad_pipeline.artifacts import read_json
@@ -38,27 +38,12 @@ from qad_pipeline.recovery import score_recovery
 from qad_pipeline.results.base import dump_result, read_result, write_result
 from qad_pipeline.results.race import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult
-from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, RecipeRow,
+from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, Racing, RecipeRow,
                                             RecoveryPoint, RecoveryTable, SelectionResult)
 from qad_pipeline.results.sweep import BPESweep
 from qad_pipeline.stages import with_sweep
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
-
-
-@dataclass(frozen=True)
-class Selection:
-    """`select_recipe`'s verdict; `run_selection` writes it as metrics/selection.json
-    (`results.SelectionResult`, whose table rows are `RecipeRow`s)."""
-
-    selected: str | None
-    policy: str
-    band: tuple[float, float]
-    reason: str
-    table: list[dict]
-    runner_up: str | None = None
-    could_compress_further: bool = False
-    racing: dict | None = None  # `Racing`, with race.enabled
 
 
 def compression(row: RecipeRow) -> tuple[float, float]:
@@ -108,7 +93,7 @@ def _why_lost(best: RecipeRow, other: RecipeRow, floor: float) -> str:
     return f"{more}; it recovers more, but at or above the floor compression decides"
 
 
-def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[str, str] | None = None) -> Selection:
+def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[str, str] | None = None) -> SelectionResult:
     """Choose a recipe from the PTQ results by the configured policy, and say why. `stopped` (racing):
     the candidates the race stopped early, with where and why; shown in the table, never chosen."""
     low, high = params.band
@@ -126,11 +111,16 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[
         notes += f" Failed recipes left out: {', '.join(failed)}."
     if stopped:
         notes += " Racing: " + "; ".join(stopped.values()) + "; the others were scored on every item."
-    table = [asdict(r) for r in sorted(rows, key=lambda r: ({"ok": 0, "alias": 1}.get(r.status, 2), r.name))]
+    table = sorted(rows, key=lambda r: ({"ok": 0, "alias": 1}.get(r.status, 2), r.name))
+
+    def verdict(selected: str | None, reason: str, runner_up: str | None = None,
+                further: bool = False) -> SelectionResult:
+        return SelectionResult(selected=selected, policy=params.policy, band=params.band, reason=reason + notes,
+                               table=table, runner_up=runner_up, could_compress_further=further)
 
     if not ok:
         why = "every recipe failed or stopped racing" if stopped else "every recipe failed"
-        return Selection(None, params.policy, params.band, f"No recipe qualifies: {why}." + notes, table)
+        return verdict(None, f"No recipe qualifies: {why}.")
     eligible = [r for r in ok if r.median_recovery >= floor]
     if not eligible:
         best = max(ok, key=lambda r: r.median_recovery)
@@ -138,9 +128,8 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[
                 if best.median_recovery_ci and best.median_recovery_ci[1] >= floor else "")
         advice = ("Run QAD (policy qad) or use a less aggressive recipe." if params.policy == "ptq_final" else
                   "QAD is not started. Lower selection.band or add a less aggressive recipe.")
-        return Selection(None, params.policy, params.band,
-                         f"No recipe qualifies: every recipe is below {target} of {_pct(floor)} "
-                         f"(best: {best.name} at {_with_ci(best)}).{near} {advice}" + notes, table, best.name)
+        return verdict(None, f"No recipe qualifies: every recipe is below {target} of {_pct(floor)} "
+                             f"(best: {best.name} at {_with_ci(best)}).{near} {advice}", best.name)
 
     ranked = sorted(eligible, key=lambda r: (*compression(r), -r.median_recovery, r.name))
     best = ranked[0]
@@ -156,8 +145,7 @@ def select_recipe(rows: list[RecipeRow], params: SelectionParams, stopped: dict[
     runner_up = others[0] if others else None
     if runner_up is not None:
         reason += f" Runner-up: {_describe(runner_up)}, lost: {_why_lost(best, runner_up, floor)}."
-    return Selection(best.name, params.policy, params.band, reason + notes, table,
-                     runner_up.name if runner_up else None, further)
+    return verdict(best.name, reason, runner_up.name if runner_up else None, further)
 
 
 def recipe_metrics(name: str, folder: Path, baseline: BaselineMetrics, baseline_items: dict | None) -> RecipeResult:
@@ -209,7 +197,7 @@ def sweep_candidates(params: Params, layout: Layout) -> list[str]:
     return [p.name for p in sweep.points]
 
 
-def run_selection(params: Params, layout: Layout) -> Selection:
+def run_selection(params: Params, layout: Layout) -> SelectionResult:
     """Stage core: recovery per recipe (metrics/ptq/*.json), then the choice (metrics/selection.json)."""
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)
     items = layout.items("baseline")
@@ -232,17 +220,16 @@ def run_selection(params: Params, layout: Layout) -> Selection:
     if race is not None:
         spent = (f" Racing scored {race.items_spent} of {race.items_full} eval items "
                  f"({100 * race.saved:.0f} % saved; rounds at {race.fractions} of each task's items).")
-        selection = replace(selection, reason=selection.reason + spent, racing=dict(
+        selection = selection.model_copy(update=dict(reason=selection.reason + spent, racing=Racing(
             items_spent=race.items_spent, items_full=race.items_full, saved=race.saved, fractions=race.fractions,
-            confidence=race.confidence, stopped=stopped))
+            confidence=race.confidence, stopped=stopped)))
     write_result(layout.recovery_table, RecoveryTable([
         RecoveryPoint(recipe=r.name, effective_bpe=r.effective_bpe, median_recovery=r.median_recovery,
                       ci_low=r.median_recovery_ci[0] if r.median_recovery_ci else None,
                       ci_high=r.median_recovery_ci[1] if r.median_recovery_ci else None)
         for r in rows.values() if r.status == "ok"
     ]))
-    verdict = {k: v for k, v in asdict(selection).items() if k != "racing" or v is not None}  # unset: left out
-    write_result(layout.selection_metrics, SelectionResult.model_validate(verdict))
+    write_result(layout.selection_metrics, selection)
     return selection
 
 

@@ -221,7 +221,7 @@ def test_selection_shows_a_stopped_candidate_but_never_chooses_it():
     stopped = {"big": "big stopped after round 1 (137 items): ..."}
     chosen = select_recipe(rows, SELECTION, stopped)
     assert chosen.selected is None and stopped["big"] in chosen.reason
-    assert [r["name"] for r in chosen.table] == ["big", "small"]  # still in the table
+    assert [r.name for r in chosen.table] == ["big", "small"]  # still in the table
 
 
 def test_the_race_has_an_mlflow_run_only_in_a_run_that_races(tmp_path):

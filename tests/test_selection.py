@@ -38,7 +38,7 @@ def test_qad_takes_most_compressed_in_band():
     sel = select_recipe(rows, QAD)
     assert sel.selected == "aggr"
     assert "band" in sel.reason and "4.600" in sel.reason
-    assert [r["name"] for r in sel.table] == ["aggr", "broken", "mid", "safe"]
+    assert [r.name for r in sel.table] == ["aggr", "broken", "mid", "safe"]
 
 
 def test_qad_tie_on_bits_goes_to_smaller_kv_cache():
@@ -137,7 +137,7 @@ def test_aliases_are_shown_never_selected():
     sel = select_recipe(rows, QAD)
     assert sel.selected == "fp8"
     assert "w4a16 = fp8" in sel.reason
-    assert [r["status"] for r in sel.table] == ["ok", "alias"]
+    assert [r.status for r in sel.table] == ["ok", "alias"]
 
 
 def test_no_selected_recipe_is_dominated():
