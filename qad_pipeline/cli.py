@@ -351,10 +351,10 @@ def setup_vllm_command(
     build: Annotated[str, typer.Option(help="auto: cuda when a GPU is visible, else cpu | cpu | cuda")] = "auto",
 ) -> None:
     """Create the pinned vLLM environment the serving check runs in (vLLM and the CPU plugin)."""
-    from qad_pipeline import serving
+    from qad_pipeline import vllm_setup
 
     try:
-        serving.setup_vllm(env, build, log=typer.echo)
+        vllm_setup.setup_vllm(env, build, log=typer.echo)
     except (ConfigError, OSError) as err:
         fail(err)
     except subprocess.CalledProcessError as err:

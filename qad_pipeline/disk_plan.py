@@ -141,7 +141,7 @@ def hub_bytes(params: Params) -> int:
 
 def vllm_bytes(params: Params) -> int:
     """VLLM_ENV_BYTES when the run needs the vLLM environment (`preflight`'s test) and it is absent."""
-    from qad_pipeline.serving import vllm_env
+    from qad_pipeline.vllm_setup import vllm_env
 
     serving = params.export.source != "none" and params.export.serving_check != "skip"
     needed = serving or params.eval.backend == "vllm"

@@ -110,10 +110,10 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
         check_model_files(params.base_model)
         check_calibration(params, load_tokenizer(params.base_model))
     if serving and not sweep and params.export.source != "none" and params.export.serving_check != "skip":
-        from qad_pipeline.serving import vllm_python
+        from qad_pipeline.vllm_setup import vllm_python
 
         vllm_python()  # the export's serving check needs it: say so now, not after QAD
     if serving and not sweep and params.eval.backend == "vllm":
-        from qad_pipeline.serving import check_served_eval_env
+        from qad_pipeline.vllm_setup import check_served_eval_env
 
         check_served_eval_env(params)  # the served eval needs vLLM and lm-eval there: said now, not after QAD

@@ -33,7 +33,7 @@ def vllm_evaluate(folder: Path, params: EvalParams, data_dir: Path, env: Path | 
                   timeout: int = 7200, log=print) -> dict:
     """Scores of the checkpoint in `folder` served by vLLM: {"tasks", "items", "served"} (`served`:
     vLLM's version, the quantization and KV-cache dtype it ran, and the KV-cache fallback, if any)."""
-    from qad_pipeline.serving import run_vllm_script
+    from qad_pipeline.vllm_setup import run_vllm_script
 
     windows = load_ppl_windows(data_dir)
     calls, metric_orders = eval_calls(params, Path(data_dir) / "eval")

@@ -116,7 +116,7 @@ def pin_failures(constraints: Path) -> list[str]:
 
 def vllm_failures(env: Path) -> list[str]:
     """The serving environment at `env` exists and imports the pinned vLLM."""
-    from qad_pipeline.serving import VLLM_VERSION, installed_vllm
+    from qad_pipeline.vllm_setup import VLLM_VERSION, installed_vllm
 
     python = env / "bin" / "python"
     if not python.is_file():
@@ -134,7 +134,7 @@ def vllm_to_check(args: argparse.Namespace) -> Path | None:
     if args.vllm_env:
         return Path(args.vllm_env)
     if args.vllm or os.environ.get("QAD_VLLM_ENV"):
-        from qad_pipeline.serving import vllm_env
+        from qad_pipeline.vllm_setup import vllm_env
 
         return vllm_env()
     return None

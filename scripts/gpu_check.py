@@ -269,7 +269,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     check.run(tag, "qad_cached", qad_cached, student is not None)
 
     def export():
-        from qad_pipeline.serving import vllm_env
+        from qad_pipeline.vllm_setup import vllm_env
         from tasks.export import run_export
 
         source = "QAD student"

@@ -222,6 +222,6 @@ def test_the_image_check_refuses_a_missing_or_broken_vllm_environment(check_imag
 @pytest.mark.slow
 def test_the_image_check_passes_on_the_vllm_environment_of_setup_vllm(check_image):
     """The environment `qad-pipeline setup-vllm` made (the README's test command makes it) imports vLLM."""
-    from qad_pipeline.serving import vllm_env
+    from qad_pipeline.vllm_setup import vllm_env
 
     assert check_image.vllm_failures(vllm_env()) == []

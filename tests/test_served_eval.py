@@ -80,15 +80,15 @@ def test_an_export_vllm_cannot_run_here_keeps_the_in_memory_recovery_and_says_wh
 
 
 def test_the_vllm_backend_is_refused_up_front_without_an_export_or_without_lm_eval_beside_vllm(tmp_path, monkeypatch):
-    from qad_pipeline import serving
+    from qad_pipeline import vllm_setup
 
     with pytest.raises(ConfigError, match="eval.backend vllm scores the exported checkpoint, and export.source is none"):
-        serving.check_served_eval_env(load_params(overrides=["eval.backend=vllm", "export.source=none"]))
+        vllm_setup.check_served_eval_env(load_params(overrides=["eval.backend=vllm", "export.source=none"]))
     env = tmp_path / "venv"
     (env / "bin").mkdir(parents=True)
     (env / "bin" / "python").symlink_to("/usr/bin/python3")  # a Python without lm-eval
     monkeypatch.setenv("QAD_VLLM_ENV", str(env))
     with pytest.raises(ConfigError, match=r"needs lm-eval [\d.]+ in the vLLM environment .*qad-pipeline setup-vllm"):
-        serving.check_served_eval_env(load_params(overrides=["eval.backend=vllm"]))
+        vllm_setup.check_served_eval_env(load_params(overrides=["eval.backend=vllm"]))
     with pytest.raises(ConfigError, match="backend"):
         load_params(overrides=["eval.backend=tgi"])

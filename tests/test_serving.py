@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from qad_pipeline import serving, serving_reference
+from qad_pipeline import serving, serving_reference, serving_verdict, vllm_setup
 from qad_pipeline.config import load_params
 from qad_pipeline.export_checks import read_tensors
 from qad_pipeline.failure_catalog import nibbles_swapped
@@ -80,7 +80,7 @@ def test_real_model_export_passes_every_check_and_the_full_check_in_vllm(real_ex
         # the served model is the quantized one: measurably closer to the student than the unquantized model
         assert view["kl_divergence"] < serving_reference.CLOSER_SHARE * min(view["unquantized_kl"],
                                                                             view["kl_to_unquantized"])
-    assert check["kl_divergence"] == check["views"]["w4a16"]["kl_divergence"] and check["top1_agreement"] >= serving.TOP1_MIN
+    assert check["kl_divergence"] == check["views"]["w4a16"]["kl_divergence"] and check["top1_agreement"] >= serving_verdict.TOP1_MIN
     assert check["decided_positions"] > 0 and check["positions"] == serving_reference.PROMPTS * (serving_reference.PROMPT_LEN - 1)
     assert export["serving_check"]["level"] == "full"
     assert (layout.export / serving.REFERENCE_FILE).is_file()
@@ -95,12 +95,12 @@ def test_w4a4_view_refuses_the_unquantized_model_served_in_its_place(real_export
     _, layout, _ = real_export
     reference = serving_reference.read_reference(layout.export)
     unquantized = reference[serving_reference.UNQUANTIZED]
-    served = {"prompt_logprobs": serving.as_served(unquantized)}
+    served = {"prompt_logprobs": serving_verdict.as_served(unquantized)}
     for view in serving_reference.VIEWS:
-        result = serving.judge_view(view, served, reference[view], unquantized)
+        result = serving_verdict.judge_view(view, served, reference[view], unquantized)
         assert not result["passed"] and result["kl_to_unquantized"] == pytest.approx(0, abs=1e-9)
         assert any("not closer to the student" in reason for reason in result["reasons"]), result["reasons"]
-    w4a4 = serving.judge_view("w4a4", served, reference["w4a4"], unquantized)
+    w4a4 = serving_verdict.judge_view("w4a4", served, reference["w4a4"], unquantized)
     assert w4a4["kl_divergence"] < serving_reference.NOISE_FACTOR * w4a4["student_noise"]  # why the cap is needed
     assert w4a4["kl_divergence"] > w4a4["kl_divergence_max"] and "not measurably closer" in w4a4["reasons"][0]
 
@@ -265,18 +265,18 @@ def test_compare_is_the_exact_kl_over_the_whole_vocabulary_and_a_lower_bound_bel
         ids, lps = top(student, k)
         return {"ids": ids, "logprobs": lps}
 
-    whole = serving.compare(vllm_side(50), reference(50))
+    whole = serving_verdict.compare(vllm_side(50), reference(50))
     assert whole["kl_divergence"] == pytest.approx(exact, rel=1e-4)  # float32 log-probs
-    truncated = serving.compare(vllm_side(8), reference(8))
+    truncated = serving_verdict.compare(vllm_side(8), reference(8))
     assert 0 <= truncated["kl_divergence"] <= exact + 1e-12
-    same = serving.compare(vllm_side(50), {"ids": top(served, 50)[0], "logprobs": top(served, 50)[1]})
+    same = serving_verdict.compare(vllm_side(50), {"ids": top(served, 50)[0], "logprobs": top(served, 50)[1]})
     assert same["kl_divergence"] == pytest.approx(0, abs=1e-9) and same["top1_agreement"] == 1.0
 
 
 def test_missing_vllm_environment_is_one_line_naming_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("QAD_VLLM_ENV", str(tmp_path / "nowhere"))
     with pytest.raises(Exception, match="qad-pipeline setup-vllm"):
-        serving.vllm_python()
+        vllm_setup.vllm_python()
 
 
 @pytest.mark.slow
@@ -298,5 +298,5 @@ def test_vllm_environment_is_found_beside_the_running_python(tmp_path, monkeypat
 
     monkeypatch.delenv("QAD_VLLM_ENV", raising=False)
     monkeypatch.setattr(serving, "PROJECT_ROOT", tmp_path / "copy")
-    assert serving.vllm_env() == Path(sys.prefix).parent / ".venv-vllm"
-    assert serving.vllm_python().is_file()
+    assert vllm_setup.vllm_env() == Path(sys.prefix).parent / ".venv-vllm"
+    assert vllm_setup.vllm_python().is_file()
