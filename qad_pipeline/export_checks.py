@@ -21,7 +21,7 @@ d. reload: the exported weights, unpacked and dequantized with Model Optimizer's
    FP4 rounding midpoint (frequent in BF16 weights, whose 8-bit mantissas make exact ratios common)
    then lands on either side: 0.2 % of SmolLM2-135M's MLP weights, KL 0.0021, noise 0.0019.
 e. weights: no block of 16 exported NVFP4 values is the student's times one ratio: a block or
-   global scale that is not the student's, which the reload's KL can miss (README: Failure catalog).
+   global scale that is not the student's, which the reload's KL can miss (docs/export.md: Failure catalog).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ dtypes and file layout stay valid), and a row of `CATALOG`: the class, the vLLM 
 it, the model it applies to (`smollm2`: the real SmolLM2-135M export of `tests/test_serving.py`;
 `demo`: the bundled Nemotron-H, for the MoE entries) and the export check that refuses it
 (`qad_pipeline.export_checks`). tests/test_failure_catalog.py applies each one and asserts that check
-refuses it; README "Failure catalog" has the figures measured.
+refuses it; docs/export.md, "Failure catalog", has the figures measured.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ UNQUANTIZED = "unquantized"  # the reference's entry for the student with every 
 # implementation noise in that view, and QUANTIZATION_SHARE of the quantization's own KL in that
 # view (vs the student with every quantizer off), but never more than CLOSER_SHARE of what the
 # unquantized model scores in the same comparison: however noisy the view, the served model must be
-# measurably closer to the student than the unquantized model is. Measured on SmolLM2-135M (README:
-# Export and its checks): a faithful export comes within 1.3-1.7 % of the quantization's KL in the
+# measurably closer to the student than the unquantized model is. Measured on SmolLM2-135M (docs/export.md:
+# Serving check): a faithful export comes within 1.3-1.7 % of the quantization's KL in the
 # reload and w4a16 views (at 0.7-1.4 x the noise); in the w4a4 view at the noise itself, 0.76 of what
 # the unquantized model scores (0.197 and 0.258, top-1024 comparison; vLLM serving the BF16 model
 # in its place: 0.258).

@@ -18,7 +18,7 @@ the source. The table names other modules' objects as `module:name` strings, imp
 (`load_reference`), so reading it imports nothing heavy.
 
 Adding a stage: a module under tasks/ with a `main(params, layout, recipe=None) -> str`, one
-`Stage(...)` below, then `qad-pipeline dvc-yaml` (see ARCHITECTURE.md).
+`Stage(...)` below, then `qad-pipeline dvc-yaml` (see docs/architecture.md).
 """
 
 from __future__ import annotations

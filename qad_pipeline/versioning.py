@@ -84,7 +84,7 @@ DVC_YAML_HEADER = """\
 #
 # Each stage lists the params.yaml keys it reads, its code (every project module it imports) and
 # its input data as dependencies, and everything it writes as outputs. A local base model
-# (${base_model.path}) should be tracked with `dvc add` (see README) so that a new version is a
+# (${base_model.path}) should be tracked with `dvc add` (see docs/dvc.md) so that a new version is a
 # DVC change; a hub model or dataset is no path: its id and revision (params) stand for it, so pin
 # the revision. QAD with qad.source set reads that text too, which no stage
 # declares (its default, null, is no path): to track it, add "${qad.source}" to the qad stage's

@@ -1,10 +1,10 @@
-"""The standard suite's evaluation cost, as README's tables: `python scripts/eval_costs_table.py`.
+"""The standard suite's evaluation cost, as docs/memory-plan.md's tables: `python scripts/eval_costs_table.py`.
 
 The plan (`qad-pipeline plan --params profiles/llama-3.1-8b_8xh100.yaml`, for its hardware.target
 8xH100-80GB) of that profile, racing off and on (`race.enabled`, fractions [0.25, 0.5, 1.0]): per
 task, then per stage its requests, tokens and GPU-hours of evaluation. Tokens of lm-eval's tasks and
 every GPU-hour are the plan's estimates (qad_pipeline/eval_costs.py, qad_pipeline/costs.py: an
-assumed MFU), not measurements. `tests/test_eval_costs.py` checks that README has this output.
+assumed MFU), not measurements. `tests/test_eval_costs.py` checks that docs/memory-plan.md has this output.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 # PYTHONPATH, with --no-deps: nothing installed on the machine is touched. The project itself
 # is not installed; scripts/gpu_check.py imports it from this checkout. Exit code: that of
 # gpu_check.py (0 = every stage passed), 124 when the time limit stopped it, 3 when a wheel is
-# missing. README.md, section "GPU check", says what it runs and prints. Not part of CI.
+# missing. docs/gpu-check.md says what it runs and prints. Not part of CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

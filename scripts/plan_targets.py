@@ -1,9 +1,9 @@
-"""The plan for four real models on two GPU nodes, as README's table: `python scripts/plan_targets.py`.
+"""The plan for four real models on two GPU nodes, as docs/memory-plan.md's table: `python scripts/plan_targets.py`.
 
 Each model's config is the copy shipped in profiles/configs/ (no weights, no hub access); the
 settings are profiles/llama-3.1-8b_8xh100.yaml's with `hardware.device_map: auto`, so the plan
 settles `ptq.gpus_per_recipe` (the fewest GPUs a recipe fits on). `tests/test_targets.py` checks
-that README's table is this script's output.
+that docs/memory-plan.md's table is this script's output.
 """
 
 from __future__ import annotations

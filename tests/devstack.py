@@ -8,7 +8,7 @@ process workers and the deployments of prefect.yaml, each a child process, all u
         run_id = stack.run("qad-pipeline/default", {"out_root": "..."})
         run = stack.wait(run_id)
 
-It does what the README tells a user to type (`prefect server start`, `qad-pipeline prefect-setup`,
+It does what docs/deployments.md tells a user to type (`prefect server start`, `qad-pipeline prefect-setup`,
 `prefect worker start`, `prefect deploy --all`, `prefect deployment run`).
 """
 

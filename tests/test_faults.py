@@ -3,7 +3,7 @@ equals an uninterrupted run's (within the tolerances below), and nothing half-wr
 looks complete; and a disk that fills up during the export. Real processes, no mocks, in private
 copies of the shared flow run.
 
-`QAD_FAULT_POINTS` kill points per stage (default 1; the matrix in the README uses 5):
+`QAD_FAULT_POINTS` kill points per stage (default 1; the matrix in docs/faults.md uses 5):
 
     QAD_FAULT_POINTS=5 python -m pytest -q -s tests/test_faults.py
 """

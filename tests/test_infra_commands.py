@@ -61,7 +61,7 @@ def test_readme_covers_the_walkthrough():
                    "prefect deployment schedule resume watch-base-checkpoints/cron", "qad-pipeline prefect-setup --kubernetes"):
         assert any(needed in c for c in commands), needed
     # No hand edits: the image and every other value are overlay values, not sed.
-    for doc in (INFRA / "README.md", ROOT / "README.md"):
+    for doc in (INFRA / "README.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
         for block in re.findall(r"```(?:bash|sh|shell|console)\n(.*?)```", doc.read_text(), re.DOTALL):
             assert not [c for c in shell_commands(block) if c[:1] == ["sed"]], f"{doc.name}: a sed step is left"
     # Each worker's init container makes its pool from that pool's template, mounted from qad-work-pools.

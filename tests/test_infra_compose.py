@@ -139,7 +139,7 @@ def test_compose_databases_and_stores():
     assert prefect_db.rsplit("/", 1)[1] == services["postgres"]["environment"]["POSTGRES_DB"]
     prefect_env = services["prefect-server"]["environment"]
     assert prefect_env["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
-    # Concurrency leases on disk (README, "Configuration"), under PREFECT_HOME on a named volume.
+    # Concurrency leases on disk (docs/faults.md), under PREFECT_HOME on a named volume.
     assert prefect_env["PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE"] == "prefect.server.concurrency.lease_storage.filesystem"
     mounts = dict(v.split(":")[:2][::-1] for v in services["prefect-server"]["volumes"])
     assert mounts.get(prefect_env["PREFECT_HOME"]) in compose()["volumes"], "PREFECT_HOME must be on a volume"

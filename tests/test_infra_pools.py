@@ -18,7 +18,7 @@ from qad_pipeline.stages import module_file
 from tests.infra_commands import check_command
 from tests.infra_files import ROOT, TEMPLATES, WORKERS, dockerfile, template, worker_args, yaml_docs
 
-# The deployments of prefect.yaml (README's table of deployments) and the pool each must run on.
+# The deployments of prefect.yaml (the table of deployments in docs/deployments.md) and the pool each must run on.
 DEPLOYMENT_POOLS = {
     "qad-pipeline/default": "qad-control",
     "bpe-sweep/default": "qad-control",
@@ -106,15 +106,14 @@ def test_prefect_yaml_entrypoints_load_the_imported_flows():
         assert loaded.name == flow_name(dep["entrypoint"])
 
 
-def test_readme_lists_every_deployment_of_prefect_yaml():
-    """README's table of deployments: one row per deployment of prefect.yaml, on its pool, and the count."""
+def test_the_docs_list_every_deployment_of_prefect_yaml():
+    """docs/deployments.md's table of deployments: one row per deployment of prefect.yaml, on its pool, and the count."""
     declared = {f"{flow_name(d['entrypoint'])}/{d['name']}": d["work_pool"]["name"]
                 for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Deployments"):]
-    section = section[:section.index("\n## ")]
+    text = (ROOT / "docs" / "deployments.md").read_text()
+    section = text[:text.index("\n## ")]  # the page up to its first subsection (The schedule)
     rows = dict(re.findall(r"^\| `([\w-]+/[\w-]+)` \| `([\w-]+)` \|", section, re.MULTILINE))
-    assert rows == declared, f"README's deployments {rows} != prefect.yaml's {declared}"
+    assert rows == declared, f"docs/deployments.md's deployments {rows} != prefect.yaml's {declared}"
     words = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
     assert f"declares {words.get(len(declared), len(declared))} deployments" in section
 

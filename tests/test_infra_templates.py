@@ -167,5 +167,6 @@ def test_hf_token_reaches_the_pods_from_the_secret_the_docs_create():
     (generator,) = [g for g in trial["secretGenerator"] if g["name"] == name]
     assert [set(env_file(OVERLAYS["trial"] / f)) for f in generator["envs"]] == [{"HF_TOKEN"}]
     create = f"create secret generic {name} --from-literal=HF_TOKEN="
-    for doc in (INFRA / "README.md", ROOT / "README.md", OVERLAYS["external"] / "kustomization.yaml"):
+    for doc in (INFRA / "README.md", ROOT / "README.md", ROOT / "docs" / "deployments.md",
+                OVERLAYS["external"] / "kustomization.yaml"):
         assert create in doc.read_text(), f"{doc} does not say how to create the Secret {name} with HF_TOKEN"

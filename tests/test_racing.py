@@ -189,7 +189,7 @@ def test_racing_changes_no_pick_it_keeps(replays):
 
 def test_on_the_demos_stored_full_results_racing_picks_the_same_recipe_with_less_than_half_the_items():
     """tests/data/demo_full_eval.json: the demo's five recipes, each evaluated on every item (params.yaml
-    defaults; written from a full run by the race's measurement, README "Racing the recipes")."""
+    defaults; written from a full run by the race's measurement, docs/selection.md, "Racing the recipes")."""
     import json
     from pathlib import Path
 

@@ -156,7 +156,7 @@ def card_run(child, result, params) -> None:
 
 
 def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_and_mlflow(monkeypatch, tmp_path):
-    """One `Stage(...)` is all dvc.yaml, the flows, the memory plan and MLflow need (ARCHITECTURE.md,
+    """One `Stage(...)` is all dvc.yaml, the flows, the memory plan and MLflow need (docs/architecture.md,
     "Adding a stage")."""
     from flows import runtime
     from qad_pipeline import memory
