@@ -26,6 +26,8 @@ from qad_pipeline.cli_checks import verify_export_command, verify_serving_comman
 from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
 from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.layout import Layout, output_root
+from qad_pipeline.params_files import inheritance_line
+from qad_pipeline.params_reference import params_doc_command
 from qad_pipeline.preflight import check_recipes, preflight
 from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
 from qad_pipeline.stages import STAGES
@@ -35,6 +37,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP
 app.command("trainjob")(trainjob_command)  # qad_pipeline/trainjob.py
 app.command("verify-serving")(verify_serving_command)  # qad_pipeline/cli_checks.py
 app.command("verify-export")(verify_export_command)
+app.command("params-doc")(params_doc_command)  # qad_pipeline/params_reference.py
 
 
 @app.callback()
@@ -335,10 +338,11 @@ def plan_command(
         estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
         items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
         disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)
+        inherits = inheritance_line(params_file)  # a profile: what it extends, how much it changes
     except ConfigError as err:
         fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else "\n".join(filter(None, [memory.table(estimates, cap, params), disk.text(), on_pool])))
+               else "\n".join(filter(None, [inherits, memory.table(estimates, cap, params), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

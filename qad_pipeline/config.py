@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qad_pipeline.params_files import ConfigError as ConfigError
 from qad_pipeline.params_files import StageError as StageError
-from qad_pipeline.params_files import apply_overrides, read_yaml
+from qad_pipeline.params_files import apply_overrides, looks_local_in, read_params_file, resolve_in
+from qad_pipeline.params_files import read_yaml as read_yaml
 from qad_pipeline.params_files import parse_override as parse_override
 from qad_pipeline.params_files import yaml_error as yaml_error
 from qad_pipeline.redaction import flatten, secret_in
@@ -317,20 +318,18 @@ def project_root() -> Path:
 
 def resolve(path: str | Path, root: Path | None = None) -> Path:
     """A path from params.yaml: relative paths are relative to the params file's folder."""
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else (root or project_root()) / p
+    return resolve_in(path, root or project_root())
 
 
 def looks_local(path: str, root: Path | None = None) -> bool:
-    """A local path (existing, or written like one: `./x`, `/x`, `~/x`, `a/b/c`), not a hub id (`name`
-    or `org/name`): the one rule for base models and calibration sources."""
-    return resolve(path, root).exists() or path.startswith((".", "/", "~")) or path.count("/") > 1
+    """A local path, not a hub id (`params_files.looks_local_in`, in the params file's folder)."""
+    return looks_local_in(path, root or project_root())
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(err: ValidationError, source_of) -> str:
     # A misspelt key shows up as one unknown key plus one missing key: name the unknown one.
     first = min(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    loc = ".".join(str(p) for p in first["loc"])
+    loc, source = ".".join(str(p) for p in first["loc"]), source_of(tuple(first["loc"]))
     if first["type"] == "extra_forbidden":
         return f"{source}: unknown key {loc!r} (misspelt? see params.yaml for the valid keys)"
     if first["type"] == "missing":
@@ -341,22 +340,19 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
 def load_params(
     path: Path = PROJECT_PARAMS, overrides: list[str] | dict[str, Any] | None = None
 ) -> Params:
-    """Load and validate params.yaml with overrides applied; its folder becomes the project root."""
+    """Load and validate params.yaml (what it `extends` merged in: `params_files.read_params_file`)
+    with overrides applied; its folder becomes the project root."""
     global _params_root
     if not Path(path).is_file():
         raise ConfigError(f"params file {str(path)!r} does not exist (run from the project folder or pass --params)")
     _params_root = Path(path).resolve().parent
-    data = read_yaml(path) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (base_model:, calibration:, ...), "
-                          f"found a {type(data).__name__}")
-    if overrides:
-        data = apply_overrides(data, overrides)
+    file = read_params_file(path)
+    data = apply_overrides(file.data, overrides) if overrides else file.data
     check_no_secrets(data, str(path))
     try:
         return Params.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, str(path))) from None
+        raise ConfigError(_format_validation_error(err, lambda loc: file.source_of(loc, data))) from None
 
 
 def check_no_secrets(data: dict, source: str) -> None:

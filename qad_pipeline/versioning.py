@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, Params, load_params, looks_local
+from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, Params, load_params, looks_local
+from qad_pipeline.params_files import read_params_file
 from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
 
 
@@ -42,6 +43,8 @@ def why_not_recorded(root: Path, params_file: Path, overrides: list[str]) -> str
         return f"{root} is not a DVC project (no .dvc/ and dvc.yaml)"
     if params_file.resolve() != (root / "params.yaml").resolve():
         return f"the run used {params_file}, not the DVC project's {root / 'params.yaml'}"
+    if read_params_file(params_file).parent is not None:
+        return f"{params_file} extends another params file, which DVC does not follow (it reads params.yaml alone)"
     unversioned = {"versioning": None}  # where the outputs are pushed changes none of them
     if overrides and (load_params(params_file, overrides).model_copy(update=unversioned)
                       != load_params(params_file).model_copy(update=unversioned)):
@@ -96,6 +99,10 @@ def write_dvc_yaml(params_file: Path, check: bool = False) -> tuple[bool, str]:
     """`qad-pipeline dvc-yaml`: dvc.yaml beside `params_file`, written unless `check` or current;
     (was it current?, the line to print)."""
     params = load_params(params_file)
+    if read_params_file(params_file).parent is not None:
+        raise ConfigError(f"{params_file} extends another params file: DVC reads the params of dvc.yaml's stages "
+                          "from the params.yaml beside it and does not follow extends; give a file that states "
+                          "every key")
     path, text = params_file.resolve().parent / "dvc.yaml", dvc_yaml(params)
     current = path.is_file() and path.read_text() == text
     if check:

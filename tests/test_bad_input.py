@@ -7,6 +7,7 @@ command in this process (its preflight is what runs); a few run the real `qad-pi
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -131,8 +132,9 @@ def test_ptq_stage_needs_a_listed_recipe(tmp_path):
 def test_yaml_error_in_params_names_the_file_line_and_column(tmp_path):
     params = tmp_path / "params.yaml"
     text = (PROJECT_ROOT / "params.yaml").read_text()
-    params.write_text(text.replace("  band: [0.95, 0.99]", "  band: [0.95, 0.99"))
-    line = text.splitlines().index("  ptq_final_min: 0.99") + 1  # where the unclosed list is found out
+    params.write_text(re.sub(r"(?m)^  band: \[0.95, 0.99\].*$", "  band: [0.95, 0.99", text))  # its comment too
+    line = next(i for i, t in enumerate(text.splitlines(), 1) if t.startswith("  ptq_final_min:"))  # where the
+    # unclosed list is found out
     message = refused_process(tmp_path / "out", "--params", str(params))
     assert f"{params}: invalid YAML at line {line}, column 16" in message
 

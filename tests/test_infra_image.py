@@ -17,6 +17,7 @@ import pytest
 import yaml
 from packaging.version import Version
 
+from qad_pipeline.params_files import read_params_file
 from qad_pipeline.stages import STAGES
 from tests.infra_commands import shell_commands
 from tests.infra_files import INFRA, K8S, ROOT, WORKERS, compose, docker_args, dockerfile, pyproject, requirement, yaml_docs
@@ -114,6 +115,11 @@ def test_dockerfile_builds_the_project_on_cuda_torch():
                   params["eval"]["task_dir"]):
         if not value.startswith("/") and (ROOT / value).exists():
             needed.add(value)
+    for profile in sorted((ROOT / "profiles").glob("*.yaml")):  # a profile and every file it extends
+        file = read_params_file(profile)
+        while file is not None:
+            needed.add(str(file.path.resolve().relative_to(ROOT)))
+            file = file.parent
     missing = {n for n in needed if not any(n == c or n.startswith(c + "/") for c in copied)}
     assert not missing, f"not copied into the image: {sorted(missing)}"
     users = [rest for word, rest in instructions if word == "USER"]
