@@ -299,6 +299,13 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
         assert s.mlflow and callable(load_reference(s.mlflow))
     for s in STAGES.values():  # every stage has a memory model
         assert callable(load_reference(s.memory)) or isinstance(load_reference(s.memory), int), s.name
+    from qad_pipeline.costs import CostModel
+    from qad_pipeline.gpus import GpuClaim
+
+    for s in STAGES.values():  # and a cost model; a GPU claim and an evaluation's cost where it declares one
+        assert isinstance(s.load("cost"), CostModel), s.name
+        assert s.gpus is None or isinstance(s.load("gpus"), GpuClaim), s.name
+        assert s.eval_cost is None or callable(s.load("eval_cost")), s.name
 
 
 def test_the_race_runs_between_the_recipes_and_selection_only_when_racing(monkeypatch, tmp_path):
