@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from qad_pipeline.config import Params
 
 
-
 def with_sweep(params: Params) -> bool:
     """A pipeline run runs the BPE sweep too: selection takes its points as candidates."""
     return params.selection.sweep != "none" and bool(params.sweep.budgets)
