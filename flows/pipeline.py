@@ -49,7 +49,7 @@ from qad_pipeline.report import read_summary, report_text
 from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.run import RunSummary
 from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import STAGES, planned
+from qad_pipeline.stages import BASELINE, STAGES, SWEEPING, planned
 
 __all__ = ["StageFailed", "qad_pipeline"]
 
@@ -115,7 +115,7 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
     wait([f for items in futures.values() for f in items.values()])
     up_to_selection = time.time() - started
     log_states(futures, logger)  # before QAD starts: what failed alone and what came from the cache
-    fail_on_required(futures, lambda declared: not declared.may_fail and not declared.sweep)
+    fail_on_required(futures, lambda declared: not declared.may_fail and not declared.gated_by(SWEEPING))
     chosen = read_result(job.layout.selection_metrics, SelectionResult)
     publish_recipe_table(params, read_summary(job.layout, params))  # on show while QAD runs
     if chosen.selected is not None:  # QAD and final_eval with policy qad; the export of whatever is final
@@ -130,9 +130,9 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
     seconds.update({"up to selection (wall)": up_to_selection, "run (wall)": time.time() - started})
     summary = read_summary(
         job.layout, params, seconds=seconds,
-        failed=[item for (name, item), state in states.items() if name == "ptq" and not state.is_completed()],
-        cached=[item for (name, item), state in states.items() if name == "ptq" and state.name == "Cached"],
-        baseline_cached=states[("baseline", None)].name == "Cached")
+        failed=[item for (name, item), state in states.items() if STAGES[name].over_recipes and not state.is_completed()],
+        cached=[item for (name, item), state in states.items() if STAGES[name].over_recipes and state.name == "Cached"],
+        baseline_cached=states[(BASELINE.name, None)].name == "Cached")
     publish_report(params, summary)
     return summary, ran
 
@@ -141,7 +141,7 @@ def log_states(futures, logger) -> None:
     """What failed alone and what came from Prefect's cache, one line per stage: "PTQ failed for
     <recipes>; selecting among the others", "PTQ taken from cache (inputs unchanged): <recipes>"."""
     for name, items in futures.items():
-        label = "PTQ" if name == "ptq" else name
+        label = "PTQ" if STAGES[name].over_recipes else name
         failed = [item or "" for item, future in items.items() if not future.state.is_completed()]
         cached = [item or "" for item, future in items.items() if future.state.name == "Cached"]
         if failed:

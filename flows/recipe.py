@@ -27,7 +27,7 @@ from qad_pipeline import gpus
 from qad_pipeline.config import load_params
 from qad_pipeline.layout import Layout, output_root
 from qad_pipeline.runlock import TOKEN_ENV
-from qad_pipeline.stages import GPU_STAGES
+from qad_pipeline.stages import GPU_STAGES, RECIPES
 
 
 def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, out_root: str | None,
@@ -57,7 +57,7 @@ def ptq_recipe(
 
     `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.runlock).
     """
-    return {"recipe": recipe, **_run_here(["ptq", recipe], params_file, overrides, out_root, lock_token)}
+    return {"recipe": recipe, **_run_here([RECIPES.name, recipe], params_file, overrides, out_root, lock_token)}
 
 
 @flow(name="gpu-stage", flow_run_name="{stage}", log_prints=True)

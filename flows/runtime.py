@@ -35,7 +35,8 @@ from qad_pipeline.preflight import preflight
 from qad_pipeline.results.base import read_result
 from qad_pipeline.results.selection import SelectionResult
 from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
-from qad_pipeline.stages import STAGES, Stage, fill
+from qad_pipeline.stage_types import Stage, fill
+from qad_pipeline.stages import STAGES
 
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
@@ -124,7 +125,7 @@ def route(stage: str, item: str | None, job: Job) -> tuple[str | None, dict]:
     deployment = pools.deployment_of(stage, job.recipe_deployment, job.stage_deployment)
     if deployment is None:
         return None, {}
-    if deployment == job.recipe_deployment and stage == "ptq":
+    if deployment == job.recipe_deployment and STAGES[stage].over_recipes:
         return deployment, {"recipe": item}
     return deployment, {"stage": stage, **({"item": item} if item else {})}
 

@@ -55,8 +55,8 @@ def bpe_sweep(
         try:
             futures = submit_stages(job, planned(params, sweep_only=True))
             wait([f for items in futures.values() for f in items.values()])
-            # a budget's point fails alone; anything else, the curve included, fails the flow
-            fail_on_required(futures, lambda declared: not declared.may_fail or declared.name == "bpe_sweep")
+            # a budget's point (a recipe) fails alone; anything else, the curve included, fails the flow
+            fail_on_required(futures, lambda declared: not declared.may_fail or not declared.per_recipe)
         except StageFailed:
             raise
         except BaseException as err:  # SIGTERM or a Prefect cancel (TerminationSignal), Ctrl-C

@@ -30,7 +30,7 @@ from qad_pipeline.params_files import inheritance_line
 from qad_pipeline.params_reference import params_doc_command
 from qad_pipeline.preflight import check_recipes, preflight
 from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
-from qad_pipeline.stages import STAGES
+from qad_pipeline.stages import EXPORT, STAGES, SWEEPING
 from qad_pipeline.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
@@ -165,7 +165,7 @@ def stage(
         if TOKEN_ENV not in os.environ and NODE_ENV not in os.environ:  # by itself (dvc repro, by hand); a
             # pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
-                      serving=name.value == "export", sweep=declared.sweep)
+                      serving=declared is EXPORT, sweep=declared.gated_by(SWEEPING))
     except ConfigError as err:
         fail(err)
 

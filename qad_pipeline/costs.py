@@ -1,6 +1,9 @@
 """Disk and wall time of each stage, from the model's shapes and the settings: the plan's
 `disk_bytes` and `seconds` (`qad-pipeline plan`, above all with `--target`).
 
+Each stage's cost model is the `CostModel` its `Stage.cost` names (below); the plan asks for it by the
+stage's summary key, and an unknown stage, or one that declares no cost model, is an error.
+
 Disk, per stage, what it writes under the out-root (its peak, while it runs):
 
     calibration   the token ids: (num_samples + ppl_samples) x seq_len x 8 (int64, Arrow)
@@ -39,11 +42,15 @@ EVAL_MFU, TRAIN_MFU and the disk speed are assumptions, not measurements.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from qad_pipeline.config import Params
 from qad_pipeline.eval_costs import EvalCost, stage_cost, summary
 from qad_pipeline.memory_model import DTYPE_BYTES, ModelShape, model_shape, static_block_scales
 from qad_pipeline.serving_reference import PROMPT_LEN, PROMPTS, reference_bytes
 from qad_pipeline.sizes import tokenizer_bytes
+from qad_pipeline.stages import stage_of
 
 EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
 TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
@@ -88,36 +95,114 @@ def eval_lines(estimates: list, params: Params, bf16_flops: float | None) -> lis
 
 
 def disk_bytes(stage: str, params: Params, shape: ModelShape) -> int:
-    """The peak bytes `stage` (`ptq/<recipe>`, `qad`, ...) writes under the out-root."""
-    name, _, item = stage.partition("/")
-    d = DTYPE_BYTES[params.base_model.dtype]
-    if name == "calibration":
-        return (params.calibration.num_samples + params.eval.ppl_samples) * params.calibration.seq_len * 8
-    if name == "baseline":
-        ev = params.eval
-        return ev.ppl_samples * ev.seq_len * ((ev.kl_top_k + ev.kl_tail_samples) * 8 + 4)
-    if name in ("ptq", "sweep"):
-        recipe = item if name == "ptq" else params.sweep.recipe
-        scales = shape.matrix_params // 16 * 4 if static_block_scales(params.recipe_path(recipe)) else 0
-        return shape.params * d + scales + tokenizer_bytes(params.base_model)
-    if name == "qad":
-        return 2 * shape.params * 12 + kept_bytes(name, params, shape)
-    if name == "teacher_cache":  # per token of the windows QAD draws (at most all its steps' tokens)
-        q = params.qad
-        return q.steps * q.grad_accum * q.batch_size * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
-    if name == "export":
-        return (export_bytes(params, shape) + tokenizer_bytes(params.base_model)
-                + reference_bytes(PROMPTS, PROMPT_LEN, shape.vocab))
-    return 0
+    """The peak bytes one process of `stage` (`ptq/<recipe>`, `qad`, ...) writes under the out-root:
+    its cost model's (`Stage.cost`); an unknown stage, or one without a cost model, is an error."""
+    declared, item = stage_of(stage)
+    return declared.load("cost").disk(params, shape, item)
 
 
 def kept_bytes(stage: str, params: Params, shape: ModelShape) -> int:
-    """The bytes `stage` leaves under the out-root when it is done: its peak, less QAD's resume
-    checkpoints (artifacts/qad_checkpoints/, removed once the student is saved in the format of the
-    candidate it trained: the largest of the recipes' checkpoints)."""
-    if stage == "qad":
-        return max(disk_bytes(f"ptq/{recipe}", params, shape) for recipe in params.ptq.recipes)
-    return disk_bytes(stage, params, shape)
+    """The bytes `stage` leaves under the out-root when it is done: its peak, less what it removes
+    (QAD's resume checkpoints: `CostModel.kept`)."""
+    declared, item = stage_of(stage)
+    model = declared.load("cost")
+    return (model.kept or model.disk)(params, shape, item)
+
+
+def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | None,
+            gpu: str | None = None) -> float | None:
+    """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each, named
+    `gpu` where known (None: no GPU to estimate for; 0: a stage that loads no model)."""
+    declared, _ = stage_of(stage)
+    model = declared.load("cost")
+    if bf16_flops is None:
+        return None
+    return model.seconds(Work(params, shape, bf16_flops, gpu, eval_seconds(stage_cost(stage, params), shape, bf16_flops)))
+
+
+# -- the cost models: each stage's `cost` names one ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a cost model's wall time is computed from: the params, the model, the GPU (its dense BF16
+    peak, its name where known) and the seconds of the stage's own evaluation (`Stage.eval_cost`)."""
+
+    params: Params
+    shape: ModelShape
+    bf16_flops: float
+    gpu: str | None
+    evaluation: float
+
+    @property
+    def forward(self) -> float:
+        return 2 * self.shape.active_matrix_params  # FLOPs per token
+
+    @property
+    def qad_tokens(self) -> int:
+        q = self.params.qad
+        return q.steps * q.batch_size * q.grad_accum * q.seq_len
+
+
+def _no_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
+    return 0
+
+
+def _no_time(work: Work) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """A stage's plan cost: the peak bytes one process writes under the out-root, `(params, shape,
+    item)`; what stays when it is done (None: its peak); its wall time, `(Work)`."""
+
+    disk: Callable[[Params, ModelShape, str | None], int] = _no_bytes
+    seconds: Callable[[Work], float] = _no_time
+    kept: Callable[[Params, ModelShape, str | None], int] | None = None
+
+
+def token_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
+    return (params.calibration.num_samples + params.eval.ppl_samples) * params.calibration.seq_len * 8
+
+
+def reference_bytes_bf16(params: Params, shape: ModelShape, item: str | None) -> int:
+    ev = params.eval
+    return ev.ppl_samples * ev.seq_len * ((ev.kl_top_k + ev.kl_tail_samples) * 8 + 4)
+
+
+def checkpoint_bytes(params: Params, shape: ModelShape, recipe: str) -> int:
+    """A fake-quantized checkpoint of `recipe`, with its static block scales and the tokenizer."""
+    scales = shape.matrix_params // 16 * 4 if static_block_scales(params.recipe_path(recipe)) else 0
+    return shape.params * DTYPE_BYTES[params.base_model.dtype] + scales + tokenizer_bytes(params.base_model)
+
+
+def recipe_checkpoint(params: Params, shape: ModelShape, item: str | None) -> int:
+    return checkpoint_bytes(params, shape, item)
+
+
+def sweep_checkpoint(params: Params, shape: ModelShape, item: str | None) -> int:
+    return checkpoint_bytes(params, shape, params.sweep.recipe)
+
+
+def qad_kept(params: Params, shape: ModelShape, item: str | None) -> int:
+    """The student in the format of the candidate it trained: the largest of the recipes' checkpoints."""
+    return max(checkpoint_bytes(params, shape, recipe) for recipe in params.ptq.recipes)
+
+
+def qad_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
+    return 2 * shape.params * 12 + qad_kept(params, shape, item)
+
+
+def teacher_cache_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
+    """Per token of the windows QAD draws (at most all its steps' tokens)."""
+    q = params.qad
+    return q.steps * q.grad_accum * q.batch_size * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
+
+
+def export_disk(params: Params, shape: ModelShape, item: str | None) -> int:
+    return (export_bytes(params, shape) + tokenizer_bytes(params.base_model)
+            + reference_bytes(PROMPTS, PROMPT_LEN, shape.vocab))
 
 
 def export_bytes(params: Params, shape: ModelShape) -> int:
@@ -125,28 +210,39 @@ def export_bytes(params: Params, shape: ModelShape) -> int:
     return shape.matrix_params * 9 // 16 + embeddings * DTYPE_BYTES[params.base_model.dtype]
 
 
-def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | None,
-            gpu: str | None = None) -> float | None:
-    """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each, named
-    `gpu` where known (None: no GPU to estimate for; 0: a stage that loads no model)."""
-    name = stage.partition("/")[0]
-    if bf16_flops is None:
-        return None
-    forward = 2 * shape.active_matrix_params  # FLOPs per token
-    per_gpu_eval = bf16_flops * EVAL_MFU
-    evaluation = eval_seconds(stage_cost(stage, params), shape, bf16_flops)
-    # the race: its worst case (every recipe finishes); the served eval: the BF16 model and the export
-    if name in ("baseline", "final_eval", "race", "served_eval"):
-        return evaluation
-    if name in ("ptq", "sweep", "sweep_search"):  # with racing, a recipe's round 1
-        calib = params.calibration.num_samples * params.calibration.seq_len
-        return forward * calib / per_gpu_eval + evaluation
-    q = params.qad
-    tokens = q.steps * q.batch_size * q.grad_accum * q.seq_len
-    if name == "qad":  # the teacher's forward, the student's forward and backward; 3 without the teacher
-        return (4 if q.teacher == "live" else 3) * forward * tokens / (bf16_flops * train_mfu(gpu)[0] * q.processes)
-    if name == "teacher_cache":
-        return forward * tokens / per_gpu_eval
-    if name == "export":
-        return 2 * export_bytes(params, shape) / DISK_BYTES_PER_S
-    return 0.0
+def evaluating(work: Work) -> float:
+    """Its evaluation (the race: its worst case; the served eval: the BF16 model and the export)."""
+    return work.evaluation
+
+
+def calibrating(work: Work) -> float:
+    """Calibration's forwards, then its evaluation (with racing, a recipe's round 1)."""
+    calib = work.params.calibration.num_samples * work.params.calibration.seq_len
+    return work.forward * calib / (work.bf16_flops * EVAL_MFU) + work.evaluation
+
+
+def training(work: Work) -> float:
+    """The teacher's forward, the student's forward and backward; 3 forwards' worth without the teacher."""
+    q = work.params.qad
+    flops = (4 if q.teacher == "live" else 3) * work.forward * work.qad_tokens
+    return flops / (work.bf16_flops * train_mfu(work.gpu)[0] * q.processes)
+
+
+def teacher_forward(work: Work) -> float:
+    return work.forward * work.qad_tokens / (work.bf16_flops * EVAL_MFU)
+
+
+def disk_bound(work: Work) -> float:
+    return 2 * export_bytes(work.params, work.shape) / DISK_BYTES_PER_S
+
+
+CALIBRATION = CostModel(disk=token_bytes)
+BASELINE = CostModel(disk=reference_bytes_bf16, seconds=evaluating)
+PTQ = CostModel(disk=recipe_checkpoint, seconds=calibrating)
+SWEEP_SEARCH = CostModel(seconds=calibrating)
+SWEEP = CostModel(disk=sweep_checkpoint, seconds=calibrating)
+TEACHER_CACHE = CostModel(disk=teacher_cache_bytes, seconds=teacher_forward)
+QAD = CostModel(disk=qad_bytes, seconds=training, kept=qad_kept)
+EVALUATION = CostModel(seconds=evaluating)
+EXPORT = CostModel(disk=export_disk, seconds=disk_bound)
+JSON_ONLY = CostModel()  # a stage that writes JSON files (counted as 0) and loads no model

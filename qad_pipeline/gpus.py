@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from qad_pipeline.config import ConfigError, Params
@@ -82,11 +83,53 @@ def needed(stage: str, params: Params, seen: int) -> int:
     declared = STAGES[stage]
     if not declared.gpu or seen == 0:
         return 0
-    if declared.per_recipe:
-        return per_recipe(params, seen)
-    if stage == "qad":
-        return params.qad.num_gpus
+    return declared.load("gpus").count(params, seen)
+
+
+def ranks(stage: str, params: Params) -> int | None:
+    """The processes of a distributed stage (`stage`: a registry name or summary key), one per GPU
+    (QAD's torchrun ranks, which place the model themselves, not by `device_map`); None: one process."""
+    declared = STAGES[stage.partition("/")[0]]
+    claim = declared.load("gpus") if declared.gpu else None
+    return claim.ranks(params) if claim is not None and claim.ranks else None
+
+
+# -- the stages' GPU claims: each `Stage.gpus` names one ------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuClaim:
+    """How many GPUs one process of a stage claims on a machine that sees `seen` (`count(params,
+    seen)`), the setting that decides it (`knob(params)`, which a refusal names), and whether other
+    pods hold its GPUs (`elsewhere(params)`: its own Job asks for none)."""
+
+    count: Callable[[Params, int], int]
+    knob: Callable[[Params], str]
+    elsewhere: Callable[[Params], bool] = lambda params: False
+    ranks: Callable[[Params], int] | None = None  # torchrun ranks, one per GPU (QAD): how many; None: one process
+
+
+def _device_map_knob(params: Params) -> str:
+    return f"hardware.device_map={params.hardware.device_map}"
+
+
+def _recipe_knob(params: Params) -> str:
+    if params.ptq.gpus_per_recipe != "auto":
+        return f"ptq.gpus_per_recipe={params.ptq.gpus_per_recipe}"
+    return _device_map_knob(params)
+
+
+def _spread_or_one(params: Params, seen: int) -> int:
     return seen if params.hardware.device_map == "auto" else 1
+
+
+# a PTQ recipe, a sweep budget: `ptq.gpus_per_recipe`
+RECIPE = GpuClaim(per_recipe, _recipe_knob)
+# QAD: its torchrun ranks' `qad.num_gpus`; across nodes, the TrainJob's pods hold them (qad_pipeline/trainjob.py)
+QAD = GpuClaim(lambda params, seen: params.qad.num_gpus, lambda params: f"qad.num_gpus={params.qad.num_gpus}",
+               elsewhere=lambda params: params.qad.num_nodes > 1, ranks=lambda params: params.qad.num_gpus)
+# the other GPU-heavy stages: one, or every visible GPU with `device_map: auto`
+WHOLE_MODEL = GpuClaim(_spread_or_one, _device_map_knob)
 
 
 def slots(params: Params, seen: int) -> int:

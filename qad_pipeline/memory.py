@@ -22,7 +22,7 @@ from qad_pipeline.config import ConfigError, HardwareParams, Params
 from qad_pipeline.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
 from qad_pipeline.report import aligned
-from qad_pipeline.stages import STAGES, planned, with_sweep
+from qad_pipeline.stages import RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
 
 HEADROOM = 0.9                    # the share of the free memory the plan lets the stages use
 
@@ -136,7 +136,7 @@ def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[di
     if cap.device == "cpu":
         return {"process": PROCESS_BASE, **model, **phase.host}, {}
     host = {"process": PROCESS_BASE + CUDA_HOST_EXTRA, **phase.host}
-    if params.hardware.device_map == "auto" and stage != "qad" and cap.gpu_bytes:
+    if params.hardware.device_map == "auto" and gpus.ranks(stage, params) is None and cap.gpu_bytes:
         # spread over the GPUs the process gets: a recipe's gpus_per_recipe, another stage's all
         given = gpus.needed(stage.split("/")[0], params, len(cap.gpu_bytes))
         resident = sum(phase.resident.values())
@@ -175,7 +175,7 @@ def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool 
     (CPU), or one per `ptq.gpus_per_recipe` visible GPUs that hold one (CUDA: `qad_pipeline.gpus`;
     one at a time with `device_map: auto` and `gpus_per_recipe: auto`, which spread a recipe over
     all of them). At least 1: `check_fits` refuses one that does not fit at all."""
-    per_item = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
+    per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
     items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
     if params.ptq.max_parallel != "auto":
         at_once = min(params.ptq.max_parallel, items)
@@ -207,7 +207,7 @@ def _why_not(est: StageEstimate, cap: Capacity, params: Params) -> str | None:
         times = f" ({at_once} processes at once)" if at_once > 1 else ""
         return f"needs {_gib(est.host_total)} of host memory{times}, {_gib(cap.host_bytes)} is usable"
     if cap.device == "cuda" and cap.gpu_bytes:
-        needs = at_once if est.stage == "qad" else 1
+        needs = at_once if gpus.ranks(est.stage, params) else 1
         if needs > len(cap.gpu_bytes):
             node = f"the target {cap.target} has" if cap.target else "this machine sees"
             return f"runs on qad.num_gpus = {needs} GPUs, {node} {len(cap.gpu_bytes)}"
@@ -259,15 +259,15 @@ def _qad_switches(params: Params) -> list[tuple[str, object]]:
 def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     """What to turn so that `est` fits: the knob of its peak phase first, with the largest value
     that fits, then the stage's other knobs; else what no setting of this run can change."""
-    stage, name, at_once = est.stage, est.stage.split("/")[0], est.max_parallel
+    stage, name, at_once, ranked = est.stage, est.stage.split("/")[0], est.max_parallel, bool(gpus.ranks(est.stage, params))
     knobs = STAGES[name].knobs
     if not knobs:
         return f"{stage}: {why} (the process alone); use a machine with more memory"
-    if name == "ptq" and at_once > 1 and _fits(stage, params, cap, 1):
+    if STAGES[name].over_recipes and at_once > 1 and _fits(stage, params, cap, 1):
         most = max(1, cap.host_bytes // est.host_bytes)
         return f"{stage}: ptq.max_parallel={params.ptq.max_parallel} {why}; the largest that fits is {most}"
     switches = [f"{knob}={value}".replace("True", "true") for knob, value in _qad_switches(params)
-                if name == "qad" and _fits(stage, _with(params, knob, value), cap, at_once)]
+                if ranked and _fits(stage, _with(params, knob, value), cap, at_once)]
     alternative = f"; or set {' or '.join(switches)}" if switches else ""
     phase_knob = next((p.knob for p in stage_phases(stage, params, model_shape(params.base_model), cap.device)
                        if p.name == est.phase), None)
@@ -288,14 +288,14 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
         return f"{stage}: {lowered(*found)}{alternative}"
     if switches:
         return f"{stage}: {why}; set {' or '.join(switches)}"
-    for knob, value in (_qad_switches(params) if name == "qad" else []):  # a switch and a smaller knob together
+    for knob, value in (_qad_switches(params) if ranked else []):  # a switch and a smaller knob together
         found = knob_that_fits(_with(params, knob, value))
         if found:
             return f"{stage}: {lowered(*found)} with {knob}={str(value).lower()}; set both"
     weights = model_shape(params.base_model).params * DTYPE_BYTES[params.base_model.dtype]
     if est.host_total > cap.host_bytes:
         where = "a machine with more host memory" + (", or GPUs" if cap.device == "cpu" else "")
-    elif name == "qad":
+    elif ranked:
         where = "more GPUs (qad.num_gpus, qad.num_nodes with qad.sharding=fsdp and qad.offload=true)"
     elif params.hardware.device_map != "auto":
         where = "hardware.device_map=auto (spread the model over the GPUs)"
@@ -311,7 +311,7 @@ def settled(params: Params, cap: Capacity, sweep: bool = False) -> Params:
     GPUs over which every recipe (and sweep budget) fits without offloading to the host, else all."""
     if params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto" or not cap.gpu_bytes:
         return params
-    per_item = [f"ptq/{r}" for r in params.ptq.recipes] + ([f"sweep/{b}" for b in params.sweep.points] if sweep else [])
+    per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
     for k in range(1, len(cap.gpu_bytes)):
         candidate = _with(params, "ptq.gpus_per_recipe", k)
         estimates = [estimate(stage, candidate, cap) for stage in per_item]
@@ -337,7 +337,7 @@ def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) 
         est.disk_bytes = costs.disk_bytes(stage, params, shape)
         est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops, gpu)
         est.evaluation = (cost := eval_costs.stage_cost(stage, params)) and cost.as_dict()
-        est.max_parallel = recipes_at_once if stage.startswith(("ptq/", "sweep/")) else params.qad.num_gpus if stage == "qad" else 1
+        est.max_parallel = recipes_at_once if STAGES[stage.split("/")[0]].per_recipe else gpus.ranks(stage, params) or 1
         est.gpus = placed.get(stage, ())
         why = _why_not(est, cap, params)
         if why is not None:

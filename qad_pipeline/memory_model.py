@@ -60,7 +60,8 @@ from pathlib import Path
 import yaml
 
 from qad_pipeline.config import BaseModelParams, Params, resolve
-from qad_pipeline.stages import STAGES, load_reference
+from qad_pipeline.stage_types import load_reference
+from qad_pipeline.stages import STAGES
 
 GiB, MiB = 2**30, 2**20
 # Fitted on the CPU (torch 2.13, benchmarks/memory_bench.py); the module docstring names each term.

@@ -38,25 +38,22 @@ def declared_limit(params: Params) -> int | None:
 
 def job_gpus(stage: str, params: Params, node_gpus: int) -> int:
     """The GPUs the Job of one process of `stage` asks for on a pool whose nodes have `node_gpus`."""
-    if stage == "qad" and params.qad.num_nodes > 1:
-        return 0  # the pod submits the TrainJob (qad_pipeline/trainjob.py) and waits; its pods hold the GPUs
+    declared = STAGES[stage]
+    if declared.gpu and declared.load("gpus").elsewhere(params):
+        return 0  # e.g. QAD across nodes: the pod submits the TrainJob (qad_pipeline/trainjob.py) and waits
     return needed(stage, params, node_gpus)
 
 
 def knob(stage: str, params: Params) -> str:
     """The setting that makes `stage` ask for its GPUs, as the refusal names it."""
-    if stage == "qad":
-        return f"qad.num_gpus={params.qad.num_gpus}"
-    if STAGES[stage].per_recipe and params.ptq.gpus_per_recipe != "auto":
-        return f"ptq.gpus_per_recipe={params.ptq.gpus_per_recipe}"
-    return f"hardware.device_map={params.hardware.device_map}"
+    return STAGES[stage].load("gpus").knob(params)
 
 
 def deployment_of(stage: str, recipe_deployment: str | None, stage_deployment: str | None) -> str | None:
     """Where one process of `stage` runs: a recipe on `recipe_deployment` (`ptq-recipe`) when it is
     set; every GPU-heavy stage, a recipe too when there is no `recipe_deployment`, on
     `stage_deployment` (`gpu-stage`); None: a process on the run's own machine."""
-    if stage == "ptq" and recipe_deployment:
+    if STAGES[stage].over_recipes and recipe_deployment:
         return recipe_deployment
     return stage_deployment if STAGES[stage].gpu else None
 

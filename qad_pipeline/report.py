@@ -128,8 +128,9 @@ def read_summary(layout: Layout, params, **run: Any) -> RunSummary:
     description, `qad-pipeline log-mlflow`): the selection, the recipe rows (the sweep's points
     among the candidates too), weight error, the BPE sweep when this run swept
     (`stages.with_sweep`), QAD and the export, read from the files; `run` adds what only the flow
-    knows (`failed`, `cached`, `baseline_cached`, `seconds`)."""
-    from qad_pipeline.stages import with_sweep
+    knows (`failed`, `cached`, `baseline_cached`, `seconds`); a stage that declares a report section
+    (`Stage.report`) adds it, read from its result."""
+    from qad_pipeline.stages import STAGES, with_sweep
 
     selection = read_result(layout.selection_metrics, SelectionResult)
     names = [*params.ptq.recipes, *(r.name for r in selection.table if r.name not in params.ptq.recipes)]
@@ -140,6 +141,9 @@ def read_summary(layout: Layout, params, **run: Any) -> RunSummary:
                       qad=read_result(layout.qad_metrics, QADMetrics, missing_ok=True),
                       export=read_result(layout.export_metrics, ExportMetrics, missing_ok=True),
                       served=read_result(layout.served_metrics, ServedEval, missing_ok=True),
+                      sections={s.name: s.load("report")(read_result(layout.root / s.result, s.load("schema")), params)
+                                for s in STAGES.values() if s.report and s.runs(params)
+                                and (layout.root / s.result).is_file()},
                       root=str(layout.root), **run)
 
 
@@ -261,6 +265,8 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
                 ""]
     if summary.served is not None:
         out += [*heading("Served (vLLM)"), *_served_lines(summary.served, table)]
+    for stage, lines in summary.sections.items():
+        out += [*heading(stage), *lines, ""]
     return out
 
 

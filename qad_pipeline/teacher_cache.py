@@ -64,7 +64,7 @@ def write_cache(teacher, windows: np.ndarray, params: Params, folder: Path, batc
     writer = ReferenceWriter(folder, len(used), q.seq_len, teacher.config.vocab_size, q.teacher_top_k,
                              q.teacher_tail_samples, seed=q.seed)
     head, device = teacher.get_output_embeddings(), input_device(teacher)
-    for i in tqdm(range(0, len(used), batch_size), desc="teacher_cache", unit="batch"):
+    for i in tqdm(range(0, len(used), batch_size), desc="teacher cache", unit="batch"):
         batch = torch.from_numpy(windows[used[i : i + batch_size]]).to(device)
         if _head_only(teacher):  # the output embedding runs per chunk of positions, as in the reference
             hidden, logits = teacher.base_model(input_ids=batch).last_hidden_state, None

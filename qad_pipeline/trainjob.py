@@ -38,7 +38,7 @@ import typer
 
 from qad_pipeline.config import ConfigError, Params
 from qad_pipeline.runlock import NODE_ENV
-from qad_pipeline.stages import STAGES
+from qad_pipeline.stages import QAD
 
 API_VERSION = "trainer.kubeflow.org/v1alpha1"
 NODE = "node"  # the torch-distributed runtime's replicated job and container
@@ -95,7 +95,7 @@ def trainjob_manifest(params: Params, command: list[str], out_root: str, token: 
         "apiVersion": API_VERSION,
         "kind": "TrainJob",
         "metadata": {"name": job_name(out_root, token), "namespace": cluster.namespace,
-                     "labels": {"app.kubernetes.io/part-of": "qad-pipeline", "qad-pipeline/stage": "qad"}},
+                     "labels": {"app.kubernetes.io/part-of": "qad-pipeline", "qad-pipeline/stage": QAD.name}},
         "spec": {
             "runtimeRef": {"name": cluster.runtime, "apiGroup": "trainer.kubeflow.org",
                            "kind": "ClusterTrainingRuntime"},
@@ -150,7 +150,7 @@ def trainjob_command(
         tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu_toleration else []
         cluster = Cluster(image=image, namespace=namespace, runtime=runtime, node_selector=selector,
                           tolerations=tolerations)
-        command = STAGES["qad"].command(params_file=str(params_file), out_root=str(out_root), overrides=items)
+        command = QAD.command(params_file=str(params_file), out_root=str(out_root), overrides=items)
         manifest = trainjob_manifest(params, command, str(out_root), holder["token"], cluster)
     except ConfigError as err:  # as the CLI's other commands refuse: one line, exit 2
         typer.echo(f"error: {redact_text(str(err))}", err=True)

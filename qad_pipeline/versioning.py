@@ -25,7 +25,8 @@ import yaml
 
 from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, Params, load_params, looks_local
 from qad_pipeline.params_files import read_params_file
-from qad_pipeline.stages import STAGES, Stage, fill, with_sweep
+from qad_pipeline.stage_types import Stage, fill
+from qad_pipeline.stages import STAGES
 
 
 def dvc_project(root: Path) -> bool:
@@ -127,14 +128,12 @@ def _hub_id(path: str, params: Params) -> bool:
 
 
 def dvc_stages(params: Params) -> list[Stage]:
-    """The stages dvc.yaml holds for these params: every stage, the BPE sweep's only when the params
-    ask for it (`stages.with_sweep`), the race only with `race.enabled`, the teacher cache only with
-    `qad.teacher: cached`, the served eval only with `eval.backend: vllm`, as in a `qad-pipeline run`
-    with them."""
-    return [stage for stage in STAGES.values()
-            if (with_sweep(params) or not stage.sweep) and (params.race.enabled or not stage.racing)
-            and (params.qad.teacher == "cached" or not stage.cached_teacher)
-            and (params.eval.backend == "vllm" or not stage.served)]
+    """The stages dvc.yaml holds for these params: those whose gates marked `dvc` hold
+    (`Stage.runs(..., dvc=True)`): the BPE sweep's only when the params ask for it
+    (`stages.with_sweep`), the race only with `race.enabled`, the teacher cache only with
+    `qad.teacher: cached`, the served eval only with `eval.backend: vllm`, as in a `qad-pipeline
+    run` with them; QAD's and the export's whatever the selection policy and the export source."""
+    return [stage for stage in STAGES.values() if stage.runs(params, dvc=True)]
 
 
 def _written_by(stages: list[Stage]) -> set[str]:

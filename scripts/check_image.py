@@ -35,7 +35,8 @@ from qad_pipeline.stages import STAGES
 
 DISTRIBUTION = "qad-pipeline"
 ENTRY_PACKAGES = ("tasks", "flows")  # every module of these is an entry point: stages and flows
-STAGE_REFERENCES = ("entry", "schema", "mlflow", "memory")  # the `module:name` fields of a Stage
+# the `module:name` fields of a Stage
+STAGE_REFERENCES = ("entry", "schema", "mlflow", "memory", "gpus", "cost", "eval_cost", "report")
 
 
 def package_modules(package: str) -> list[str]:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.stages import PACKAGES, imports_of, module_file
+from qad_pipeline.code_deps import PACKAGES, imports_of, module_file
 
 MAX_LINES = 400
 # The command line is the one library module that starts flows (`qad-pipeline run`, `sweep`).

@@ -1,6 +1,8 @@
 """The stage registry (qad_pipeline/stages.py): dvc.yaml is what it generates, and each stage's
 code dependencies are what its modules import."""
 
+import ast
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +12,8 @@ import yaml
 
 from qad_pipeline.cli import Stage
 from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
-from qad_pipeline.stages import PACKAGES, STAGES, code_modules, module_file, planned
+from qad_pipeline.code_deps import PACKAGES, code_modules, module_file
+from qad_pipeline.stages import CACHED_TEACHER, EXPORTING, RACING, SERVED, STAGES, SWEEPING, planned
 from qad_pipeline.versioning import dvc_yaml, stage_names
 
 
@@ -23,17 +26,17 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     assert list(STAGES) == [s.value for s in Stage]
     # the project's params.yaml does not sweep, race or cache the teacher: none of those stages, and
     # nothing waits for their files
-    optional = {n for n, s in STAGES.items() if s.sweep or s.racing or s.cached_teacher or s.served}
+    optional = {n for n, s in STAGES.items() if any(map(s.gated_by, (SWEEPING, RACING, CACHED_TEACHER, SERVED)))}
     assert list(stages) == [name for name in STAGES if name not in optional]
     deps = {dep for stage in stages.values() for dep in stage.get("do", stage)["deps"]}
     assert not deps & {"artifacts/sweep", "artifacts/sweep_search", "metrics/bpe_sweep.json", "artifacts/teacher_cache"}
     swept = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"selection.sweep": "knee", "qad.teacher": "cached"})))
     swept = swept["stages"]
-    assert list(swept) == [n for n, s in STAGES.items() if not s.racing and not s.served]
+    assert list(swept) == [n for n, s in STAGES.items() if not s.gated_by(RACING) and not s.gated_by(SERVED)]
     assert "metrics/bpe_sweep.json" in swept["selection"]["deps"] and "artifacts/teacher_cache" in swept["qad"]["deps"]
     assert not deps & {"artifacts/race", "metrics/race.json"} and "race" in stages["ptq"]["do"]["params"]
     raced = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"race.enabled": True})))["stages"]
-    assert list(raced) == [n for n, s in STAGES.items() if not s.sweep and not s.cached_teacher and not s.served]
+    assert list(raced) == [n for n, s in STAGES.items() if not any(map(s.gated_by, (SWEEPING, CACHED_TEACHER, SERVED)))]
     assert {"metrics/race.json", "artifacts/race"} <= set(raced["selection"]["deps"])
     assert raced["race"]["outs"] == [{"artifacts/race": {"persist": True}}]  # DVC keeps the scored items
     served = yaml.safe_load(dvc_yaml(load_params(PROJECT_PARAMS, {"eval.backend": "vllm"})))["stages"]
@@ -51,6 +54,50 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
         for dep in body["deps"]:
             if "$" not in dep:
                 assert (PROJECT_ROOT / dep).exists() or dep.startswith(("artifacts/", "metrics/")), (name, dep)
+
+
+# The registry's modules, where stages are named; tasks/ (one module per stage) is not scanned.
+REGISTRY = {"qad_pipeline/stages.py", "qad_pipeline/stage_types.py", "qad_pipeline/code_deps.py"}
+# Where a string equal to a stage's name means something else: file -> (the values, why).
+NOT_A_STAGE = {
+    "qad_pipeline/layout.py": (set(STAGES) - {"selection"}, "artifact folder names (`artifacts/<stage>/`), paths on "
+                               "disk as dvc.yaml's outputs spell them; the registry imports Layout, so Layout cannot "
+                               "read the registry without a cycle"),
+    "qad_pipeline/config.py": ({"qad"}, "a param value: selection.policy and export.source `qad` (config.py is not "
+                               "this module's to edit)"),
+    "qad_pipeline/export_verify.py": ({"qad"}, "a param value: export.source `qad`, the student"),
+    "qad_pipeline/tracking/registry.py": ({"qad"}, "a param value: the export's source `qad`, the student"),
+    "qad_pipeline/calibration_data.py": ({"calibration"}, "the dataset folder inside the calibration artifact"),
+    "qad_pipeline/tracking/datasets.py": ({"calibration"}, "the MLflow dataset's name and context"),
+    "qad_pipeline/cli.py": ({"selection", "sweep"}, "keys of the flows' results (RunSummary.selection, the sweep's)"),
+    "flows/sweep.py": ({"sweep"}, "a key of the sweep flow's result"),
+    "qad_pipeline/tracking/sweep.py": ({"sweep"}, "the sweep's parent run kind, an MLflow tag value"),
+    "qad_pipeline/results/sweep.py": ({"sweep"}, "a BPE point's kind (a searched point, not a fixed recipe)"),
+    "qad_pipeline/report.py": ({"export"}, "the served eval's model key (`bf16`, `export`)"),
+    "qad_pipeline/memory_model.py": ({"export"}, "a memory phase's name, as the plan prints it"),
+    "qad_pipeline/dvc_remote.py": ({"qad"}, "the DVC remote's name"),
+    "qad_pipeline/trainjob.py": ({"qad"}, "the Kubernetes namespace"),
+}
+
+
+def test_no_module_outside_the_registry_and_the_tasks_names_a_stage():
+    """A stage is spelt in qad_pipeline/stages.py (and its own tasks/ module) only: everything else
+    reads the registry (a field, a gate, a role such as `stages.EXPORT`), so adding a stage or a gate
+    touches no other module."""
+    found, used = [], set()
+    for package in ("qad_pipeline", "flows"):
+        for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
+            name = path.relative_to(PROJECT_ROOT).as_posix()
+            if name in REGISTRY:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), name)):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in STAGES:
+                    if node.value in NOT_A_STAGE.get(name, ((), ""))[0]:
+                        used.add((name, node.value))
+                    else:
+                        found.append(f"{name}:{node.lineno}: {node.value!r}")
+    assert not found, "stage names outside the registry (read it instead, or say why in NOT_A_STAGE):\n" + "\n".join(found)
+    assert used == {(name, value) for name, (values, _) in NOT_A_STAGE.items() for value in values}, "a stale exception"
 
 
 def test_code_modules_follow_function_local_imports():
@@ -150,37 +197,48 @@ def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its
     assert users["qad_pipeline.results.qad"] == {"qad", "final_eval", "served_eval"}
 
 
-def card_run(child, result, params) -> None:
-    """The added stage's MLflow reader (below): what its run logs from its result."""
-    child.metrics = {"card_passed": float(result.passed)}
+def _model_card():
+    """A stage added to the registry: one `Stage(...)` whose every reference is the one task module
+    tests/stage_model_card.py (the library's own gate, GPU claim and memory model reused)."""
+    from qad_pipeline.stage_types import Output
+    from qad_pipeline.stage_types import Stage as Declared
+
+    card = "tests.stage_model_card"
+    return Declared("model_card", f"{card}:main", after=("export",), params=("export",),
+                    inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),),
+                    when=(EXPORTING,), gpus="qad_pipeline.gpus:WHOLE_MODEL",
+                    result="metrics/model_card.json", schema=f"{card}:ModelCard", mlflow=f"{card}:card_run",
+                    report=f"{card}:report", memory="qad_pipeline.memory_model:export_phases",
+                    knobs=("eval.batch_size",), cost=f"{card}:COST", eval_cost=f"{card}:eval_cost")
 
 
-def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_and_mlflow(monkeypatch, tmp_path):
-    """One `Stage(...)` is all dvc.yaml, the flows, the memory plan and MLflow need (docs/architecture.md,
-    "Adding a stage")."""
+def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report_and_mlflow(monkeypatch, tmp_path):
+    """One `Stage(...)` and its task module are all dvc.yaml, the flows, the plan (memory, disk, time,
+    evaluation, GPUs), the report and MLflow need (docs/architecture.md, "Adding a stage"); its gate
+    (`when`) takes it out of a run whose params say no."""
     from flows import runtime
-    from qad_pipeline import memory
+    from qad_pipeline import code_deps, memory
     from qad_pipeline.layout import Layout
+    from qad_pipeline.report import read_summary, report_text
     from qad_pipeline.results.base import write_result
-    from qad_pipeline.stages import Output
-    from qad_pipeline.stages import Stage as Declared
     from qad_pipeline.tracking.children import read_children
-    from tests.samples import export_metrics
+    from tests import samples
 
-    added = Declared("model_card", "tasks.export:main", after=("export",), params=("export",),
-                     inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),),
-                     result="metrics/model_card.json", schema="qad_pipeline.results.export:ExportMetrics",
-                     mlflow="tests.test_stages:card_run", memory="qad_pipeline.memory_model:export_phases",
-                     knobs=("eval.batch_size",))
+    added = _model_card()
     monkeypatch.setitem(STAGES, "model_card", added)
+    # its task module is a test module here (tasks/<name>.py in the project): the code walk reads tests/ too
+    monkeypatch.setattr(code_deps, "PACKAGES", (*PACKAGES, "tests"))
     card = yaml.safe_load(dvc_yaml())["stages"]["model_card"]
     assert card["cmd"] == "qad-pipeline stage model_card --out-root ." and "metrics/export.json" in card["deps"]
+    assert "tests/stage_model_card.py" in card["deps"] and "qad_pipeline/costs.py" in card["deps"]
     assert card["params"] == ["export"] and card["metrics"] == ["metrics/model_card.json"]
     params = load_params(PROJECT_PARAMS)
     runs = planned(params)
     assert runs[-1] == (added, None)
     assert added.command(None, "p.yaml", "out", ["a=1"]) == [
         "qad-pipeline", "stage", "model_card", "--params", "p.yaml", "--out-root", "out", "--set", "a=1"]
+    unexported = load_params(PROJECT_PARAMS, {"export.source": "none"})  # its gate: no export, no card
+    assert added not in [s for s, _ in planned(unexported)] and "model_card" in yaml.safe_load(dvc_yaml(unexported))["stages"]
 
     submitted = []
 
@@ -192,19 +250,44 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_and_mlflow
     futures = runtime.submit_stages(runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path)), runs)
     assert submitted[-1] == ("model_card", None, [futures["export"][None]])
 
-    plan = memory.plan(params)  # its memory model: the export's phases
+    plan = memory.plan(params)  # its memory model: the export's phases; its disk and evaluation: its own
     assert plan[-1].stage == "model_card" and plan[-1].phase in {"export", "reload_check"}
+    assert plan[-1].disk_bytes == 4096 and plan[-1].evaluation["tokens"] == 1000
+    [est] = [e for e in memory.plan(params, memory.target_capacity("8xH100-80GB")) if e.stage == "model_card"]
+    assert est.gpus == ("0",) and est.seconds > 1.0  # its GPU claim, and its time with its evaluation's
+    assert "model_card" in memory.table(plan, memory.capacity(params.hardware), params)
 
     layout = Layout(tmp_path)
-    write_result(layout.root / "metrics/model_card.json", export_metrics(tmp_path / "export"))
-    [child] = read_children(layout, params)  # its MLflow run, filled by its reader
-    assert child.stage == "model_card" and child.metrics == {"card_passed": 1.0}
+    write_result(layout.baseline_metrics, samples.baseline({"t": samples.score(0.5)}))
+    write_result(layout.selection_metrics, samples.selection("a", []))
+    assert added.run(params, layout) == "model card written"  # what `qad-pipeline stage model_card` runs
+    summary = read_summary(layout, params)  # its report section, from its result
+    assert summary.sections == {"model_card": ["Model card: passed (3 lines)."]}
+    assert "model_card:\nModel card: passed (3 lines)." in report_text(summary)
+    children = read_children(layout, params)  # its MLflow run, filled by its reader
+    assert [c.metrics for c in children if c.stage == "model_card"] == [{"card_passed": 1.0}]
+
+
+def test_a_cost_asked_of_an_unknown_stage_or_of_one_without_a_cost_model_is_an_error(monkeypatch):
+    from qad_pipeline import costs, eval_costs
+    from qad_pipeline.memory_model import model_shape
+
+    params = load_params(PROJECT_PARAMS)
+    shape = model_shape(params.base_model)
+    with pytest.raises(ValueError, match="unknown stage 'nope'"):
+        costs.disk_bytes("nope", params, shape)
+    with pytest.raises(ValueError, match="unknown stage 'nope'"):
+        eval_costs.stage_cost("nope/x", params)
+    monkeypatch.setitem(STAGES, "model_card", dataclasses.replace(_model_card(), cost=None))
+    with pytest.raises(ValueError, match="stage model_card declares no cost"):
+        costs.seconds("model_card", params, shape, 1e15)
+    assert all(s.cost for s in STAGES.values() if s.name != "model_card")  # every stage has one
 
 
 def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
     """`Stage.result` and `Stage.schema` name the same file and model the stages write (tests/samples.py)."""
     from qad_pipeline.layout import Layout
-    from qad_pipeline.stages import load_reference
+    from qad_pipeline.stage_types import load_reference
     from tests.samples import result_files
 
     written = dict(result_files(Layout(tmp_path), []))
@@ -216,6 +299,13 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
         assert s.mlflow and callable(load_reference(s.mlflow))
     for s in STAGES.values():  # every stage has a memory model
         assert callable(load_reference(s.memory)) or isinstance(load_reference(s.memory), int), s.name
+    from qad_pipeline.costs import CostModel
+    from qad_pipeline.gpus import GpuClaim
+
+    for s in STAGES.values():  # and a cost model; a GPU claim and an evaluation's cost where it declares one
+        assert isinstance(s.load("cost"), CostModel), s.name
+        assert s.gpus is None or isinstance(s.load("gpus"), GpuClaim), s.name
+        assert s.eval_cost is None or callable(s.load("eval_cost")), s.name
 
 
 def test_the_race_runs_between_the_recipes_and_selection_only_when_racing(monkeypatch, tmp_path):

@@ -38,6 +38,8 @@ class RunSummary(Strict):
     export: ExportMetrics | None = None
     served: ServedEval | None = None  # with eval.backend vllm: the export scored as vLLM serves it
     sweep: BPESweep | None = None  # when the run swept first (selection.sweep set)
+    # the report's section of each stage that declares one (`Stage.report`), by stage: its lines
+    sections: dict[str, list[str]] = {}
     plots: list[str] = []
     mlflow: dict[str, Any] = {}  # flows/pipeline.py: track: uri, run id, model version; or error
     dvc: str | None = None

@@ -25,7 +25,8 @@ from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
 from qad_pipeline.results.served import ServedEval
 from qad_pipeline.results.sweep import BPESweep
-from qad_pipeline.stages import STAGES, load_reference, with_sweep
+from qad_pipeline.stage_types import load_reference
+from qad_pipeline.stages import BPE_SWEEP, RACING, RECIPES, STAGES, SWEEP_POINTS, with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import ci_metrics, number, numeric_leaves, pick, task_metrics
 from qad_pipeline.redaction import redact_text
@@ -271,9 +272,9 @@ def ptq_child(layout: Layout, params: Params, recipe: str, row: RecipeRow | None
     start = int(1000 * span["started_at"]) if "started_at" in span else end
     if alias_of:  # it did not run: a zero-length run at the time the selection found it out
         start = end = _mtime_ms(layout.selection_metrics) if layout.selection_metrics.is_file() else end
-    name = f"ptq-{recipe}"
+    name = RECIPES.run_name(recipe)
     ok = substituted or m.status in ("ok", "alias")
-    child = ChildRun(name, "ptq", start, end, "FINISHED" if ok else "FAILED", recipe=recipe)
+    child = ChildRun(name, RECIPES.name, start, end, "FINISHED" if ok else "FAILED", recipe=recipe)
     ran = m if isinstance(m, PTQScores) else None  # a recipe that ran (RecipeMetrics: with its recovery)
     ci = getattr(m, "median_recovery_ci", None) or (row.median_recovery_ci if row is not None else None)
     child.metrics = {**(_figures(ran) if ran is not None else {}), **ci_metrics(ci, "median_recovery")}
@@ -306,10 +307,10 @@ def sweep_children(layout: Layout, params: Params, sweep: BPESweep) -> list[Chil
         budget = str(point.budget)
         folder = layout.sweep(budget)
         scores = read_result(folder / "scores.json", PTQScores)
-        start_ms, end_ms = stage_span(layout, f"sweep-{budget}", folder / "scores.json")
+        start_ms, end_ms = stage_span(layout, SWEEP_POINTS.run_name(budget), folder / "scores.json")
         searched = scores.auto_quantize
         children.append(ChildRun(
-            name=f"sweep-{budget}", stage="sweep", start_ms=start_ms, end_ms=end_ms, recipe=point.name,
+            name=SWEEP_POINTS.run_name(budget), stage=SWEEP_POINTS.name, start_ms=start_ms, end_ms=end_ms, recipe=point.name,
             params={"budget": point.budget, "sweep.recipe": params.sweep.recipe, "method": searched.method,
                     "formats": ",".join(searched.formats), "kv_cache": searched.kv_cache},
             metrics={"budget": point.budget, "searched_effective_bits": point.searched_effective_bits,
@@ -337,8 +338,8 @@ def knee_metrics(sweep: BPESweep) -> dict[str, float]:
 
 def bpe_sweep_child(layout: Layout, sweep: BPESweep) -> ChildRun:
     """The curve's stage run (`bpe_sweep`): the knee and its reason, `bpe_sweep.json`."""
-    start_ms, end_ms = stage_span(layout, "bpe_sweep", layout.bpe_sweep_metrics)
-    return ChildRun(name="bpe_sweep", stage="bpe_sweep", start_ms=start_ms, end_ms=end_ms,
+    start_ms, end_ms = stage_span(layout, BPE_SWEEP.name, layout.bpe_sweep_metrics)
+    return ChildRun(name=BPE_SWEEP.name, stage=BPE_SWEEP.name, start_ms=start_ms, end_ms=end_ms,
                     params={"knee_epsilon": sweep.knee_epsilon}, metrics=knee_metrics(sweep),
                     tags={"knee": sweep.knee.name or "none", "knee.reason": sweep.knee.reason[:5000]},
                     dicts={"bpe_sweep.json": dump_result(sweep)})
@@ -350,13 +351,13 @@ def read_children(layout: Layout, params: Params) -> list[ChildRun]:
     rows = {r.name: r for r in selection.table} if selection is not None else {}
     children: list[ChildRun | None] = []
     for declared in STAGES.values():  # a stage with a reader (`Stage.mlflow`), the recipes, the sweep's
-        if declared.racing and not params.race.enabled:  # an earlier run's race.json is not this run's
+        if declared.gated_by(RACING) and not declared.runs(params):  # an earlier run's race.json is not this run's
             continue
         if declared.mlflow:
             children.append(stage_child(layout, params, declared.name))
-        elif declared.name == "ptq":
+        elif declared is RECIPES:
             children += [ptq_child(layout, params, r, rows.get(r)) for r in params.ptq.recipes]
-        elif declared.name == "bpe_sweep" and with_sweep(params):  # the run swept: a run per budget, the curve's
+        elif declared is BPE_SWEEP and with_sweep(params):  # the run swept: a run per budget, the curve's
             sweep = read_result(layout.bpe_sweep_metrics, BPESweep, missing_ok=True)
             children += [*sweep_children(layout, params, sweep), bpe_sweep_child(layout, sweep)] if sweep else []
     return [c for c in children if c is not None]

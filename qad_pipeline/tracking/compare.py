@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from qad_pipeline.config import ConfigError
 from qad_pipeline.report import aligned
 from qad_pipeline.redaction import redact_text
+from qad_pipeline.stages import BASELINE, EXPORT, FINAL_EVAL, QAD, RECIPES
 from qad_pipeline.tracking.store import (ERROR, EXPERIMENT_PREFIX, KIND, LOGGED_AT, PARENT, RECIPE, STAGE, client_for,
                                          experiment_name)
 
@@ -100,22 +101,22 @@ def compare_table(uri: str, experiment: str, run_id: str | None = None) -> list[
         return {**out, **extra}
 
     rows = []
-    for base in by_stage.get("baseline", []):
+    for base in by_stage.get(BASELINE.name, []):
         rows.append(row("bf16", base, **{f"recovery.{t}": 1.0 for t in tasks if f"score.{t}" in base.data.metrics},
                         median_recovery=1.0))
-    recipes = sorted(by_stage.get("ptq", []), key=lambda r: (
+    recipes = sorted(by_stage.get(RECIPES.name, []), key=lambda r: (
         order.index(r.data.tags.get(RECIPE)) if r.data.tags.get(RECIPE) in order else len(order),
         r.data.tags.get(RECIPE, "")))
     for run in recipes:
         recipe = run.data.tags.get(RECIPE, run.info.run_name)
         rows.append(row(recipe, run, selected=recipe == selected))
-    for run in by_stage.get("final_eval", []):
-        export = (by_stage.get("export") or [None])[0]
+    for run in by_stage.get(FINAL_EVAL.name, []):
+        export = (by_stage.get(EXPORT.name) or [None])[0]
         chosen = next((r for r in recipes if r.data.tags.get(RECIPE) == selected), None)
         size_from = export if export is not None else chosen
         extra = {} if size_from is None else {"effective_bpe": size_from.data.metrics.get("effective_bpe"),
                                               "size_bytes": size_from.data.metrics.get("size_bytes")}
-        rows.append(row("qad", run, **extra))
+        rows.append(row(QAD.name, run, **extra))
     return rows
 
 

@@ -14,6 +14,7 @@ from qad_pipeline.results.data import CalibrationManifest
 from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.qad import QADMetrics
 from qad_pipeline.results.selection import SelectionResult
+from qad_pipeline.stages import EXPORT
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.metrics import number
 from qad_pipeline.tracking.store import (ERROR, GIT_COMMIT, RECIPE, STAGE, client_for, registered_model_name,
@@ -43,7 +44,7 @@ def register_export(layout: Layout, params: Params, parent_run_id: str, *, uri: 
     parent = client.get_run(parent_run_id)
     if REGISTERED in parent.data.tags:  # registered by an earlier logging of this run: not a second version
         return parent.data.tags[REGISTERED].rsplit("/", 1)[-1]
-    export_runs = [r for r in child_runs(client, parent) if r.data.tags.get(STAGE) == "export"]
+    export_runs = [r for r in child_runs(client, parent) if r.data.tags.get(STAGE) == EXPORT.name]
     if not export_runs:
         raise ConfigError(f"pipeline run {parent_run_id} has no export run to register "
                           f"(no {layout.export_metrics} when it was logged)")

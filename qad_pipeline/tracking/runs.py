@@ -15,7 +15,8 @@ from qad_pipeline.results.export import ExportMetrics
 from qad_pipeline.results.run import TrackingRecord
 from qad_pipeline.results.scores import BaselineMetrics
 from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import STAGES, planned, with_sweep
+from qad_pipeline.stages import (CALIBRATION, EXPORT, FINAL_EVAL, RECIPES, SELECTION, STAGES, SWEEPING, planned,
+                                 with_sweep)
 from qad_pipeline.tracking.children import REASON_FILE, SHORT_REASON, ChildRun, read_children, result_file
 from qad_pipeline.tracking.datasets import log_inputs
 from qad_pipeline.tracking.stale import mark_stale_runs
@@ -60,22 +61,22 @@ def headline_metrics(children: list[ChildRun], selected: str | None) -> dict[str
     `median_recovery_ci_low/high`, `kl_divergence`, `effective_bpe`: those of the model the run
     delivers (QAD's when it ran, else the selected PTQ recipe's), the same keys the recipe runs have.
     """
-    by_stage = {c.stage: c for c in children if c.stage != "ptq"}
-    chosen = next((c for c in children if c.stage == "ptq" and c.recipe == selected), None)
+    by_stage = {c.stage: c for c in children if c.stage != RECIPES.name}
+    chosen = next((c for c in children if c.stage == RECIPES.name and c.recipe == selected), None)
     out: dict[str, float] = {}
     if chosen is not None:
         out.update({f"selected.{k}": chosen.metrics[k] for k in HEADLINE if k in chosen.metrics})
         out.update({k: chosen.metrics[k] for k in HEADLINE[:5] if k in chosen.metrics})
-    if "final_eval" in by_stage:
-        final = by_stage["final_eval"].metrics
+    if FINAL_EVAL.name in by_stage:
+        final = by_stage[FINAL_EVAL.name].metrics
         keep = (*HEADLINE[:4], "ptq_median_recovery")
         out.update({f"qad.{k}": final[k] for k in keep if k in final})
         out.update({k: final[k] for k in HEADLINE[:4] if k in final})
         for k in HEADLINE[1:3]:  # an interval from the selected recipe must not stand beside QAD's recovery
             if k not in final:
                 out.pop(k, None)
-    if "export" in by_stage:
-        export = by_stage["export"].metrics
+    if EXPORT.name in by_stage:
+        export = by_stage[EXPORT.name].metrics
         out.update({f"export.{k}": export[k] for k in ("effective_bpe", "size_bytes", "size_ratio", "passed")
                     if k in export})
         if "effective_bpe" in export:
@@ -92,7 +93,7 @@ def pipeline_status(layout: Layout, params: Params) -> tuple[str, str]:
     missing.
     """
     if not layout.selection_metrics.is_file():
-        missing = next(s for s in STAGES if STAGES[s].result and not STAGES[s].sweep
+        missing = next(s for s in STAGES if STAGES[s].result and not STAGES[s].gated_by(SWEEPING)
                        and not result_file(layout, s).is_file())
         return "FAILED", f"no result from {missing}"
     selection = read_result(layout.selection_metrics, SelectionResult)
@@ -134,20 +135,20 @@ def log_pipeline(layout: Layout, params: Params, *, flow_run_id: str | None, git
     try:
         child_ids = log_children(client, parent, children)
         by_stage = {c.stage: c for c in children}
-        log_inputs(client, run_id, by_stage["calibration"].datasets if "calibration" in by_stage else [])
+        log_inputs(client, run_id, by_stage[CALIBRATION.name].datasets if CALIBRATION.name in by_stage else [])
 
         derived_status, why = pipeline_status(layout, params)
         tags: dict[str, Any] = {"qad.result": why, "qad.children": json.dumps(child_ids),
                                 **{f"base_model.{k}": v for k, v in _checkpoint_identity(layout, params).items()}}
-        if "selection" in by_stage:
-            sel = by_stage["selection"]
+        if SELECTION.name in by_stage:
+            sel = by_stage[SELECTION.name]
             tags.update({"qad.selected": sel.tags["selected"], "qad.policy": sel.tags["policy"],
                          "qad.runner_up": sel.tags.get("runner_up"), "qad.selection.reason": sel.tags["reason"]})
             log_files(client, run_id, {"selection.json": sel.dicts["selection.json"]},
                        {REASON_FILE: sel.texts[REASON_FILE]})
         metrics = headline_metrics(children, tags.get("qad.selected"))
         tags[NOTE] = f"**Result:** {why if len(why) <= SHORT_REASON else why[:SHORT_REASON] + ' …'}\n"
-        if "selection" in by_stage and layout.baseline_metrics.is_file():
+        if SELECTION.name in by_stage and layout.baseline_metrics.is_file():
             summary = read_summary(layout, params)
             tags[NOTE] += "\n" + run_description(summary, reason_file=REASON_FILE, max_chars=MAX_TAG_VAL_LENGTH - 500)
             client.log_text(run_id, redact_text(report_markdown(summary)), "report.md")
