@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/devstack.py: the local stack
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import PROJECT_PARAMS, load_params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import PROJECT_PARAMS, load_params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import read_result
 from qad_pipeline.results.scores import PTQResult, PTQScores
 
@@ -62,8 +62,8 @@ def forward_ms(model, batch: torch.Tensor, repeats: int = 5) -> float:
 
 def forward_times(params, layout: Layout) -> dict[str, float]:
     import qad_pipeline  # noqa: F401
-    from qad_pipeline.calibration_data import load_calibration
-    from qad_pipeline.modeling import load_model
+    from qad_pipeline.core.calibration_data import load_calibration
+    from qad_pipeline.core.modeling import load_model
     from tasks.ptq import quantize_model
 
     samples = torch.from_numpy(load_calibration(layout.data))
@@ -150,7 +150,7 @@ def main() -> None:
 
 def llama_dag(root: Path, extra: list[str]) -> None:
     """The whole DAG on a ~100M Llama with the defaults; measured peaks (logs/*.usage.json) vs the plan."""
-    from qad_pipeline import memory
+    from qad_pipeline.plan import memory
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from models import build_llama
@@ -179,7 +179,7 @@ def llama_dag(root: Path, extra: list[str]) -> None:
 
 def real_model_exports(root: Path) -> None:
     """The whole DAG on SmolLM2-135M with the defaults, then each PTQ recipe's export; one table."""
-    from qad_pipeline.results.export import ExportMetrics
+    from qad_pipeline.results.export_metrics import ExportMetrics
     from qad_pipeline.results.scores import PTQAlias
     from tasks.export import run_export
 

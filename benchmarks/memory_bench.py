@@ -80,8 +80,8 @@ def main() -> None:
 
     from models import DEMO_MODEL, build_llama
 
-    from qad_pipeline import memory
-    from qad_pipeline.config import load_params
+    from qad_pipeline.plan import memory
+    from qad_pipeline.core.config import load_params
 
     rows = []
     for name in args.models:

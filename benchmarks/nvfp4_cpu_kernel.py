@@ -1,6 +1,6 @@
 """The CPU NVFP4 fake quantization's speed: `python benchmarks/nvfp4_cpu_kernel.py [--size 4096] [--repeats 5]`.
 
-Times `qad_pipeline.nvfp4_cpu.fp4_fake_quant_block` on a random BF16 square matrix (after a
+Times `qad_pipeline.nvfp4.nvfp4_cpu.fp4_fake_quant_block` on a random BF16 square matrix (after a
 warm-up) and prints each run's wall time, the median and the elements per second. A 4096x4096
 matrix took ~0.4 s on two busy cores (it was a test's assertion, < 2.5 s, until wall time left the
 tests: a benchmark measures, a test checks behaviour).
@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from qad_pipeline import nvfp4_cpu
+from qad_pipeline.nvfp4 import nvfp4_cpu
 
 
 def main() -> None:

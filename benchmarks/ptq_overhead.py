@@ -6,7 +6,7 @@ busy machine slows both alike), on the demo model with the params.yaml defaults.
 ratio of the medians (pipeline / bare) is at most 1.10.
 
 The bare script (`--bare`, run as a subprocess) uses none of the pipeline's code except, on a
-machine without CUDA, the CPU NVFP4 kernels (`qad_pipeline.nvfp4_cpu`, without which Model
+machine without CUDA, the CPU NVFP4 kernels (`qad_pipeline.nvfp4.nvfp4_cpu`, without which Model
 Optimizer cannot fake-quantize there at all):
 
   load the base model and tokenizer with transformers; `mtq.quantize` with the recipe's config
@@ -56,7 +56,7 @@ def bare(root: Path, recipe: str, out: Path) -> dict:
     data = root / "artifacts" / "calibration"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":  # Model Optimizer's NVFP4 kernels need CUDA or Triton; the CPU emulation
-        from qad_pipeline.nvfp4_cpu import install_cpu_kernels
+        from qad_pipeline.nvfp4.nvfp4_cpu import install_cpu_kernels
 
         install_cpu_kernels(force=True)
     import modelopt.torch.opt as mto

@@ -17,7 +17,7 @@ differs only by a logsumexp for a gather), baseline (the student without
 quantizers: plain BF16 distillation, live teacher); suffix `:full` = the KD loss from the full logits,
 `:compile` = torch.compile on each decoder block (in place, so those modes run last).
 
-MFU = (6 N_s + 2 N_t + A) x tokens/s / peak (`qad_pipeline/targets.py` GPUS; H200 989 TFLOP/s dense
+MFU = (6 N_s + 2 N_t + A) x tokens/s / peak (`qad_pipeline/plan/targets.py` GPUS; H200 989 TFLOP/s dense
 BF16). N: the weights of every matmul (decoder linears, output embedding; the input embedding is a
 lookup), N_t = 0 with the cached teacher. A, causal attention per token: 2 x seq x heads x head_dim x
 layers per forward (QK^T and AV over half the positions on average), x3 for the student (forward and
@@ -53,9 +53,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import qad_pipeline  # noqa: E402,F401  (on a CPU: Model Optimizer's NVFP4 kernels emulated)
-from qad_pipeline.config import load_params  # noqa: E402
-from qad_pipeline.distributed import World  # noqa: E402
-from qad_pipeline.training_text import batch_indices  # noqa: E402
+from qad_pipeline.core.config import load_params  # noqa: E402
+from qad_pipeline.training.distributed import World  # noqa: E402
+from qad_pipeline.training.training_text import batch_indices  # noqa: E402
 from models import llama_1b_config, quiet, teacher_and_student, tiny_config  # noqa: E402 (benchmarks/models.py)
 from tasks.qad import QADStep, compile_blocks, host_copy, lr_lambda, train_step  # noqa: E402
 
@@ -226,8 +226,8 @@ def run_mode(mode: str, args, models: dict, windows, device, rows: int, peak_flo
 
 def write_cache(teacher, windows, params):
     """The teacher_cache stage's files for the windows the cached mode draws (its own writer)."""
-    from qad_pipeline.teacher_cache import TeacherCache
-    from qad_pipeline.teacher_cache import write_cache as writer
+    from qad_pipeline.training.cached_teacher import TeacherCache
+    from qad_pipeline.training.cached_teacher import write_cache as writer
 
     folder = Path(tempfile.mkdtemp(prefix="qad-throughput-cache-"))
     started = time.perf_counter()
@@ -268,7 +268,7 @@ def explain_block(student, config, seq: int, device) -> dict:
 
 def throughput(args) -> dict:
     """The cuda mode (and --quick on the CPU)."""
-    from qad_pipeline.targets import GPUS
+    from qad_pipeline.plan.targets import GPUS
 
     device = torch.device(args.device)
     config = llama_1b_config(args.tied) if not args.quick else tiny_config(vocab=4096, hidden=128)

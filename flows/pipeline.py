@@ -6,10 +6,10 @@
 With `selection.policy: ptq_final` (PTQ is the last step) the selected PTQ recipe goes straight
 to the export, through the same checks; when no recipe qualifies the flow ends at selection, and
 the report says why. With `selection.sweep: knee` (or `all`) the BPE sweep's stages
-(sweep_search, sweep × budgets, bpe_sweep; `flows/sweep.py`) run beside the recipes, and its knee
+(sweep_search, sweep × budgets, bpe_sweep; `flows/sweep_flow.py`) run beside the recipes, and its knee
 (or every point) is a candidate in selection.
 
-The flow body is the diagram: `run_dag` submits the stages of `qad_pipeline.stages.planned(params)`
+The flow body is the diagram: `run_dag` submits the stages of `qad_pipeline.core.stages.planned(params)`
 in registry order, each waiting for the stages its `Stage.after` names (`flows/runtime.py:
 submit_stages`), and stops at selection when no candidate qualifies. Each heavy stage runs as its own process (`qad-pipeline stage ...`, the same command that
 `dvc repro` runs), so a recipe that crashes or runs out of memory fails alone: the flow reports
@@ -19,7 +19,7 @@ deployment's work pool instead, one GPU each, and this flow waits for all of the
 `stage_deployment` set (`gpu-stage/gpu`), the other GPU-heavy stages (baseline, qad,
 final_eval, export) run as flow runs on the GPU pool too, so the parent on the CPU-only control
 pool never loads a model. How many recipes run at once here is `ptq.max_parallel` (`auto`: what
-the memory plan fits, `qad_pipeline.memory`).
+the memory plan fits, `qad_pipeline.plan.memory`).
 
 The baseline writes the BF16 reference distribution that every recipe's KL is measured against,
 so the recipes wait for it. Every stage but selection, the BPE curve and the race is cached (`Stage.cached`): one whose inputs
@@ -42,14 +42,14 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.publish import link_tracking, publish_recipe_table, publish_report, start_tracking, track
 from flows.runtime import (Job, fail_on_required, holding_outputs, parameter_overrides, start_job, stop_everything,
                            submit_stages)
-from flows.stages import StageFailed
-from qad_pipeline import dvc_remote
-from qad_pipeline.run_plots import write_plots
-from qad_pipeline.report import read_summary, report_text
+from flows.stage_process import StageFailed
+from qad_pipeline.platform import dvc_remote
+from qad_pipeline.reporting.run_plots import write_plots
+from qad_pipeline.reporting.report import read_summary, report_text
 from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.run import RunSummary
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import BASELINE, STAGES, SWEEPING, planned
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.core.stages import BASELINE, STAGES, SWEEPING, planned
 
 __all__ = ["StageFailed", "qad_pipeline"]
 
@@ -70,7 +70,7 @@ def qad_pipeline(
     Every parameter overrides params.yaml, which holds the defaults: `base_model` (a local folder
     or hub id), `recipes` (names in ptq.recipe_dir), `qad` (e.g. {"steps": 80, "lr": 5e-5}) and
     `overrides` (any `section.key=value`). `params_file` is relative to the working directory;
-    `out_root` defaults as `qad_pipeline.layout.output_root` says (`runs/<params stem>` for the
+    `out_root` defaults as `qad_pipeline.core.layout.output_root` says (`runs/<params stem>` for the
     image's own params files). `recipe_deployment` (e.g. "ptq-recipe/gpu") runs each recipe
     as a flow run of that deployment instead of a process here; `stage_deployment` (e.g.
     "gpu-stage/gpu") does the same for the GPU-heavy stages (and the recipes, without a

@@ -16,8 +16,8 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 
 from flows.runtime import flow_run_id
 from qad_pipeline import tracking
-from qad_pipeline.layout import Layout
-from qad_pipeline.report import report_markdown
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.reporting.report import report_markdown
 from qad_pipeline.results.run import RunSummary
 
 
@@ -72,7 +72,7 @@ def link_tracking(layout: Layout, params, run_id: str) -> None:
 
 def publish_sweep_table(params, sweep: dict) -> None:
     """The BPE sweep's table (`report.sweep_rows`), the knee's reason as its description."""
-    from qad_pipeline.report import sweep_rows
+    from qad_pipeline.reporting.report import sweep_rows
 
     rows = [{k: "" if v is None else v for k, v in r.items()} for r in sweep_rows(sweep)]
     knee = sweep["knee"]

@@ -3,7 +3,7 @@
 
 The `qad-pipeline` flow, run from a deployment with `recipe_deployment` set, starts one
 `ptq-recipe` run per recipe on that deployment's work pool and waits for all of them. Each run
-takes its GPUs (`qad_pipeline.gpus`: one per recipe unless `ptq.gpus_per_recipe` says more) out of
+takes its GPUs (`qad_pipeline.plan.gpus`: one per recipe unless `ptq.gpus_per_recipe` says more) out of
 those its worker sees: a process worker's own `CUDA_VISIBLE_DEVICES`, or a Kubernetes job's
 `nvidia.com/gpu` request; two runs of one worker never share a GPU (a run waits for a free one),
 and the worker's `--limit` keeps it from taking more runs than it has GPUs. The run executes the same
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from prefect import flow
 
-from flows.stages import run_stage_process
-from qad_pipeline import gpus
-from qad_pipeline.config import load_params
-from qad_pipeline.layout import Layout, output_root
-from qad_pipeline.runlock import TOKEN_ENV
-from qad_pipeline.stages import GPU_STAGES, RECIPES
+from flows.stage_process import run_stage_process
+from qad_pipeline.plan import gpus
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.layout import Layout, output_root
+from qad_pipeline.platform.runlock import TOKEN_ENV
+from qad_pipeline.core.stages import GPU_STAGES, RECIPES
 
 
 def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, out_root: str | None,
@@ -55,7 +55,7 @@ def ptq_recipe(
 ) -> dict:
     """Quantize, calibrate and evaluate one recipe; fails when the stage fails.
 
-    `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.runlock).
+    `lock_token` is the parent run's hold on `out_root` (see qad_pipeline.platform.runlock).
     """
     return {"recipe": recipe, **_run_here([RECIPES.name, recipe], params_file, overrides, out_root, lock_token)}
 

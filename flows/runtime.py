@@ -1,8 +1,8 @@
 """What both flows share beneath their diagrams: how one stage becomes a Prefect task run.
 
-`submit_stages` submits the stages of a run (`qad_pipeline.stages.planned`) as task runs, each
+`submit_stages` submits the stages of a run (`qad_pipeline.core.stages.planned`) as task runs, each
 waiting for the task runs of the stages its `Stage.after` names (the edges in Prefect's graph).
-`run_stage` is the one generic task: a stage process here (`flows/stages.py`), or a flow run on a
+`run_stage` is the one generic task: a stage process here (`flows/stage_process.py`), or a flow run on a
 GPU pool (`run_on_pool`) with `recipe_deployment`/`stage_deployment`; a cached stage's key is
 `stage_cache_key`. `start_job` loads and checks the params before any stage starts, and
 `holding_outputs` takes every hold a run keeps on its out-root; `stop_everything` is what a
@@ -26,17 +26,18 @@ from prefect import allow_failure, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
-from flows.stages import StageFailed, run_stage_process
-from qad_pipeline import gpus, pools, processes
-from qad_pipeline.artifacts import list_files
-from qad_pipeline.config import Params, load_params, resolve
-from qad_pipeline.layout import Layout, output_root
-from qad_pipeline.preflight import preflight
+from flows.stage_process import StageFailed, run_stage_process
+from qad_pipeline.plan import gpus, pools
+from qad_pipeline.platform import processes
+from qad_pipeline.core.artifacts import list_files
+from qad_pipeline.core.config import Params, load_params, resolve
+from qad_pipeline.core.layout import Layout, output_root
+from qad_pipeline.plan.preflight import preflight
 from qad_pipeline.results.base import read_result
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.runlock import TOKEN_ENV, dvc_write_lock, run_lock
-from qad_pipeline.stage_types import Stage, fill
-from qad_pipeline.stages import STAGES
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.platform.runlock import TOKEN_ENV, dvc_write_lock, run_lock
+from qad_pipeline.core.stage_types import Stage, fill
+from qad_pipeline.core.stages import STAGES
 
 
 _ptq_slots: dict[int, threading.Semaphore] = {}
@@ -53,9 +54,9 @@ class Job:
     stage_deployment: str | None = None
     at_once: int = 1  # PTQ recipes at once here (the memory plan's `recipe_parallelism`)
     threads: int = 1  # CPU threads per PTQ process
-    gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.gpus)
+    gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.plan.gpus)
     placed: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (summary key, the GPUs it claims first: gpus.layout)
-    job_gpus: tuple[tuple[str, int], ...] = ()  # (summary key, the GPUs its Job on a pool asks for: qad_pipeline.pools)
+    job_gpus: tuple[tuple[str, int], ...] = ()  # (summary key, the GPUs its Job on a pool asks for: qad_pipeline.plan.pools)
 
 
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
@@ -196,8 +197,8 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.memory import capacity, recipe_parallelism, settled
-    from qad_pipeline.stages import planned, with_sweep
+    from qad_pipeline.plan.memory import capacity, recipe_parallelism, settled
+    from qad_pipeline.core.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
     params = load_params(Path(params_file), overrides)

@@ -32,7 +32,7 @@ The deployment's other defaults (`recipes`, `qad`, the deployments a source leav
 as they are.
 Every source is checked (`check_sources`) before a tick looks for checkpoints, and every run's
 own parameters (`check_run`) before the first run starts: the params file and overrides loaded
-with `qad_pipeline.config.load_params` (the pipeline's own pydantic models) and its recipes found
+with `qad_pipeline.core.config.load_params` (the pipeline's own pydantic models) and its recipes found
 (`check_recipes`). A bad value fails the tick with one line naming the source, and starts nothing.
 """
 
@@ -43,9 +43,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from qad_pipeline.config import ConfigError, load_params, parse_override
-from qad_pipeline.preflight import check_recipes
-from qad_pipeline.stages import with_sweep
+from qad_pipeline.core.config import ConfigError, load_params, parse_override
+from qad_pipeline.plan.preflight import check_recipes
+from qad_pipeline.core.stages import with_sweep
 
 WATCHER_KEYS = ("base_model.path", "base_model.revision")  # what the watcher sets for each checkpoint
 

@@ -11,7 +11,7 @@ source that found it (`flows/watch_sources.py`: the parameters and how each run'
 - A local checkpoint is an immediate subfolder of a source's `watch_dir`. It is picked up when it
   holds `config.json`, holds no file ending in `.incomplete` or `.tmp` (downloads and copies in
   progress) and none of its files has changed for `settle_seconds`. Its identity is the sha256
-  that the pipeline's baseline records for it (`qad_pipeline.artifacts.folder_sha256`: the
+  that the pipeline's baseline records for it (`qad_pipeline.core.artifacts.folder_sha256`: the
   relative path and bytes of every file, in sorted order), so a copy of a seen checkpoint is seen
   (whichever source finds it), and a changed file makes a new checkpoint.
 - A hub checkpoint is `<hub id>@<commit sha>` of the id's newest revision; the run pins that
@@ -59,9 +59,9 @@ from prefect.exceptions import ObjectNotFound
 from pydantic import Field
 
 from flows.watch_sources import WatchedSource, check_run, check_sources, legacy_sources, run_parameters
-from qad_pipeline.artifacts import folder_sha256, list_files, read_json, write_json
-from qad_pipeline.config import ConfigError
-from qad_pipeline.runlock import flocked
+from qad_pipeline.core.artifacts import folder_sha256, list_files, read_json, write_json
+from qad_pipeline.core.config import ConfigError
+from qad_pipeline.platform.runlock import flocked
 
 FLOW_NAME = "watch-base-checkpoints"
 IN_PROGRESS_SUFFIXES = (".incomplete", ".tmp")

@@ -1,7 +1,7 @@
 """qad-pipeline: BF16 checkpoint -> five NVFP4 PTQ recipes -> selection -> QAD -> eval -> export.
 
 Importing this package is enough to make Model Optimizer's NVFP4 fake quantization work on a
-machine without CUDA: the CPU kernels of `qad_pipeline.nvfp4_cpu` are installed into Model
+machine without CUDA: the CPU kernels of `qad_pipeline.nvfp4.nvfp4_cpu` are installed into Model
 Optimizer as soon as `modelopt.torch.quantization` is imported (or at once, if it already is).
 Importing Model Optimizer takes seconds, so it is not imported here before it is needed.
 """
@@ -16,7 +16,7 @@ _QUANTIZATION = "modelopt.torch.quantization"
 
 
 def _install() -> None:
-    from qad_pipeline.nvfp4_cpu import install_cpu_kernels
+    from qad_pipeline.nvfp4.nvfp4_cpu import install_cpu_kernels
 
     install_cpu_kernels()
 

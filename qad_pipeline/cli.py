@@ -20,24 +20,24 @@ from typing import Annotated
 
 import typer
 
-from qad_pipeline import processes
+from qad_pipeline.platform import processes
 from qad_pipeline import cli_options
 from qad_pipeline.cli_checks import verify_export_command, verify_serving_command
 from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
-from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
-from qad_pipeline.layout import Layout, output_root
-from qad_pipeline.params_files import inheritance_line
-from qad_pipeline.params_reference import params_doc_command
-from qad_pipeline.preflight import check_recipes, preflight
-from qad_pipeline.runlock import NODE_ENV, TOKEN_ENV, run_lock
-from qad_pipeline.stages import EXPORT, STAGES, SWEEPING
-from qad_pipeline.trainjob import trainjob_command
+from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
+from qad_pipeline.core.layout import Layout, output_root
+from qad_pipeline.core.params_files import inheritance_line
+from qad_pipeline.core.params_reference import params_doc_command
+from qad_pipeline.plan.preflight import check_recipes, preflight
+from qad_pipeline.platform.runlock import NODE_ENV, TOKEN_ENV, run_lock
+from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING
+from qad_pipeline.training.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
-app.command("trainjob")(trainjob_command)  # qad_pipeline/trainjob.py
+app.command("trainjob")(trainjob_command)  # qad_pipeline/training/trainjob.py
 app.command("verify-serving")(verify_serving_command)  # qad_pipeline/cli_checks.py
 app.command("verify-export")(verify_export_command)
-app.command("params-doc")(params_doc_command)  # qad_pipeline/params_reference.py
+app.command("params-doc")(params_doc_command)  # qad_pipeline/core/params_reference.py
 
 
 @app.callback()
@@ -70,8 +70,8 @@ def _start_flow(flow_name: str, params_file: Path, overrides: list[str] | None, 
     from prefect.exceptions import TerminationSignal
 
     from flows.pipeline import StageFailed, qad_pipeline
-    from flows.sweep import bpe_sweep
-    from qad_pipeline.runlock import LockHeld
+    from flows.sweep_flow import bpe_sweep
+    from qad_pipeline.platform.runlock import LockHeld
 
     flow = {"qad-pipeline": qad_pipeline, "bpe-sweep": bpe_sweep}[flow_name]
     processes.start_watchdog()  # a `kill -9` of this run stops what it started too (Prefect's temporary server)
@@ -111,7 +111,7 @@ def run(
     out_root: RootOpt = None,
 ) -> None:
     """Run the qad-pipeline Prefect flow locally and print the recipe table and the choice."""
-    from qad_pipeline.report import report_text
+    from qad_pipeline.reporting.report import report_text
 
     out_root = _checked(params_file, overrides, base_model, out_root)
     summary = _start_flow("qad-pipeline", params_file, overrides, out_root, base_model)
@@ -134,7 +134,7 @@ def sweep(
 ) -> None:
     """Run the BPE sweep (the `bpe-sweep` Prefect flow) locally: sweep.recipe at every budget in
     sweep.budgets, the fixed recipes on the same curve, the knee; print the table and the knee."""
-    from qad_pipeline.report import sweep_text
+    from qad_pipeline.reporting.report import sweep_text
 
     out_root = _checked(params_file, overrides, base_model, out_root, sweep=True)
     summary = _start_flow("bpe-sweep", params_file, overrides, out_root, base_model)
@@ -204,7 +204,7 @@ def log_mlflow(
     (`--again` logs a new one).
     """
     from qad_pipeline import tracking
-    from qad_pipeline.report import read_summary, report_text
+    from qad_pipeline.reporting.report import read_summary, report_text
 
     layout = Layout(output_root(out_root, params_file))
     uri = tracking.tracking_uri(layout.root)
@@ -255,7 +255,8 @@ def compare(
 def push(params_file: ParamsOpt = DEFAULT_PARAMS, overrides: SetOpt = None, out_root: RootOpt = None) -> None:
     """Commit a finished run's outputs to DVC and push them to the remote (`versioning.remote`, else
     $QAD_DVC_REMOTE), as a run does when it ends: the retry of a failed push."""
-    from qad_pipeline import dvc_remote, tracking
+    from qad_pipeline.platform import dvc_remote
+    from qad_pipeline import tracking
 
     root = output_root(out_root, params_file)
     try:
@@ -277,7 +278,7 @@ def prefect_setup(
     heartbeat_timeout: Annotated[int, typer.Option(help="seconds without a heartbeat before Crashed")] = 90,
 ) -> None:
     """Create the work pools (qad-control, qad-gpu) and the automation that crashes dead flow runs."""
-    from qad_pipeline.prefect_setup import create_crash_automation, create_pools
+    from qad_pipeline.platform.prefect_setup import create_crash_automation, create_pools
 
     if not os.environ.get("PREFECT_API_URL"):
         fail(ConfigError("PREFECT_API_URL is not set: point it at your Prefect server "
@@ -300,9 +301,9 @@ def dvc_yaml_command(
     params_file: ParamsOpt = DEFAULT_PARAMS,
     check: Annotated[bool, typer.Option("--check", help="only say whether dvc.yaml is current; exit 1 if not")] = False,
 ) -> None:
-    """Write dvc.yaml beside the params file, from the stage registry (qad_pipeline/stages.py) and
+    """Write dvc.yaml beside the params file, from the stage registry (qad_pipeline/core/stages.py) and
     the params (the BPE sweep's stages only when they ask for it)."""
-    from qad_pipeline.versioning import write_dvc_yaml
+    from qad_pipeline.platform.versioning import write_dvc_yaml
 
     try:
         current, line = write_dvc_yaml(Path(params_file), check)
@@ -324,11 +325,11 @@ def plan_command(
                          "[default: hardware.target]")] = None,
 ) -> None:
     """Print each stage's GPUs, estimated peak host and GPU memory, disk and time, reading no
-    weights, then the out-root and all the disk a run takes (qad_pipeline/disk_plan.py); exit 2 if
+    weights, then the out-root and all the disk a run takes (qad_pipeline/plan/disk_plan.py); exit 2 if
     a stage cannot fit."""
     import json
 
-    from qad_pipeline import disk_plan, memory, pools
+    from qad_pipeline.plan import disk_plan, memory, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
@@ -355,7 +356,7 @@ def setup_vllm_command(
     build: Annotated[str, typer.Option(help="auto: cuda when a GPU is visible, else cpu | cpu | cuda")] = "auto",
 ) -> None:
     """Create the pinned vLLM environment the serving check runs in (vLLM and the CPU plugin)."""
-    from qad_pipeline import vllm_setup
+    from qad_pipeline.checks import vllm_setup
 
     try:
         vllm_setup.setup_vllm(env, build, log=typer.echo)

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 from qad_pipeline.cli_options import ParamsOpt, RootOpt, SetOpt, fail
-from qad_pipeline.config import DEFAULT_PARAMS, ConfigError, StageError
+from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, StageError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the whole result as JSON before the last line")]
 
@@ -26,7 +26,7 @@ def verify_serving_command(
     """Load an export with a real vLLM and compare its log-probs with the student's; exit 0 when it passes.
 
     The last line names the level that ran (full or config) and its figures."""
-    from qad_pipeline import serving
+    from qad_pipeline.checks import serving
 
     try:
         if not export_dir.is_dir():
@@ -53,9 +53,9 @@ def verify_export_command(
 
     Exit 0 when every check passes; like the export stage, 2 with one line naming the failed check
     and its figure when one fails (or the input is refused)."""
-    from qad_pipeline.config import load_params
-    from qad_pipeline.export_verify import verify_export
-    from qad_pipeline.layout import Layout, output_root
+    from qad_pipeline.core.config import load_params
+    from qad_pipeline.checks.export_verify import verify_export
+    from qad_pipeline.core.layout import Layout, output_root
 
     try:
         if not checkpoint.is_dir():

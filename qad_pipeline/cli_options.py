@@ -30,7 +30,7 @@ debug = False  # --debug, set by the app's callback (qad_pipeline/cli.py)
 
 def fail(err: Exception) -> None:
     """A refused input or failed stage: one line on stderr (the traceback too with --debug), exit 2."""
-    from qad_pipeline.redaction import redact_text
+    from qad_pipeline.core.redaction import redact_text
 
     if debug:
         import traceback

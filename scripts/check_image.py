@@ -6,7 +6,7 @@ What a flow-run pod needs from the image, each checked here, one line per failur
 
 * every entry point imports: each module of the `tasks` and `flows` packages (found in the source
   tree, so a moved or renamed module cannot be missed), each `module:name` the stage table
-  (`qad_pipeline.stages.STAGES`) and `prefect.yaml`'s deployments name, and the console scripts of
+  (`qad_pipeline.core.stages.STAGES`) and `prefect.yaml`'s deployments name, and the console scripts of
   the installed distribution (`qad-pipeline`); `--module` adds more;
 * `qad-pipeline --help` runs;
 * the pins of the torch constraints file (`--constraints`, default `$QAD_TORCH_CONSTRAINTS`; none:
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import yaml
 
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.stages import STAGES
+from qad_pipeline.core.config import PROJECT_ROOT
+from qad_pipeline.core.stages import STAGES
 
 DISTRIBUTION = "qad-pipeline"
 ENTRY_PACKAGES = ("tasks", "flows")  # every module of these is an entry point: stages and flows
@@ -117,7 +117,7 @@ def pin_failures(constraints: Path) -> list[str]:
 
 def vllm_failures(env: Path) -> list[str]:
     """The serving environment at `env` exists and imports the pinned vLLM."""
-    from qad_pipeline.vllm_setup import VLLM_VERSION, installed_vllm
+    from qad_pipeline.checks.vllm_setup import VLLM_VERSION, installed_vllm
 
     python = env / "bin" / "python"
     if not python.is_file():
@@ -135,7 +135,7 @@ def vllm_to_check(args: argparse.Namespace) -> Path | None:
     if args.vllm_env:
         return Path(args.vllm_env)
     if args.vllm or os.environ.get("QAD_VLLM_ENV"):
-        from qad_pipeline.vllm_setup import vllm_env
+        from qad_pipeline.checks.vllm_setup import vllm_env
 
         return vllm_env()
     return None

@@ -3,16 +3,16 @@
 The plan (`qad-pipeline plan --params profiles/llama-3.1-8b_8xh100.yaml`, for its hardware.target
 8xH100-80GB) of that profile, racing off and on (`race.enabled`, fractions [0.25, 0.5, 1.0]): per
 task, then per stage its requests, tokens and GPU-hours of evaluation. Tokens of lm-eval's tasks and
-every GPU-hour are the plan's estimates (qad_pipeline/eval_costs.py, qad_pipeline/costs.py: an
+every GPU-hour are the plan's estimates (qad_pipeline/plan/eval_costs.py, qad_pipeline/plan/costs.py: an
 assumed MFU), not measurements. `tests/test_eval_costs.py` checks that docs/memory-plan.md has this output.
 """
 
 from __future__ import annotations
 
-from qad_pipeline import costs, memory
-from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.eval_costs import STANDARD, EvalCost, count_text, stage_cost, task_sizes
-from qad_pipeline.memory_model import model_shape
+from qad_pipeline.plan import costs, memory
+from qad_pipeline.core.config import PROJECT_ROOT, load_params
+from qad_pipeline.plan.eval_costs import STANDARD, EvalCost, count_text, stage_cost, task_sizes
+from qad_pipeline.plan.memory_model import model_shape
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 

@@ -57,12 +57,12 @@ SWEEP_FRACTIONS = (0.05, 0.2)
 
 
 def bf16_peak(device: str) -> float | None:
-    """The dense BF16 FLOP/s of this machine's GPU, when qad_pipeline.targets knows it by name."""
+    """The dense BF16 FLOP/s of this machine's GPU, when qad_pipeline.plan.targets knows it by name."""
     if device != "cuda":
         return None
     import torch
 
-    from qad_pipeline.targets import GPUS
+    from qad_pipeline.plan.targets import GPUS
 
     name = torch.cuda.get_device_name()
     return next((flops for gpu, (_, flops) in GPUS.items() if gpu in name.upper()), None)
@@ -85,8 +85,8 @@ def sweep_params(params, recipe_dir: Path):
 
     import yaml
 
-    from qad_pipeline import autoquant
-    from qad_pipeline.config import budget_name
+    from qad_pipeline.nvfp4 import autoquant
+    from qad_pipeline.core.config import budget_name
 
     source = params.recipe_path(params.sweep.recipe)
     low = autoquant.minimum_budget(autoquant.load_recipe(source), params.base_model)
@@ -126,10 +126,10 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     """Every stage on one base model, into the out-root <work>/<tag>."""
     import torch
 
-    from qad_pipeline.config import DEFAULT_PARAMS, load_params
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.config import DEFAULT_PARAMS, load_params
+    from qad_pipeline.core.layout import Layout
     from qad_pipeline.results.base import read_result
-    from qad_pipeline.results.export import ExportMetrics
+    from qad_pipeline.results.export_metrics import ExportMetrics
 
     if model_path is None:  # the ~100M Llama, built from a config
         folder = work / "llama-100m"
@@ -153,7 +153,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     recipes = params.ptq.recipes
 
     def calibration():
-        from qad_pipeline.modeling import load_tokenizer
+        from qad_pipeline.core.modeling import load_tokenizer
         from tasks.calibration import build_calibration
 
         m = build_calibration(params, load_tokenizer(params.base_model), layout.data)
@@ -189,9 +189,9 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
             ptq_ok.append(recipe)
 
     def forward():
-        from qad_pipeline.calibration_data import load_calibration
-        from qad_pipeline.modeling import input_device, load_model
-        from qad_pipeline.weight_folding import folded_weights
+        from qad_pipeline.core.calibration_data import load_calibration
+        from qad_pipeline.core.modeling import input_device, load_model
+        from qad_pipeline.nvfp4.weight_folding import folded_weights
 
         samples = torch.from_numpy(load_calibration(layout.data))[: params.ptq.calib_batch_size]
         model = load_model(params.base_model, params.hardware)
@@ -227,7 +227,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     student = selected or (ptq_ok[0] if ptq_ok else None)
 
     def stage(name: str, item: str | None = None, params=params):
-        from qad_pipeline.stages import STAGES
+        from qad_pipeline.core.stages import STAGES
 
         return lambda: (True, STAGES[name].run(params, layout, item) or "done")
 
@@ -241,7 +241,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     def qad():
         from tasks.qad import run_qad
 
-        from qad_pipeline.memory_model import model_shape
+        from qad_pipeline.plan.memory_model import model_shape
 
         r = run_qad(params, layout.ptq(student) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints)
         tokens_s = r["steps_per_second"] * r["tokens_per_step"]
@@ -269,7 +269,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
     check.run(tag, "qad_cached", qad_cached, student is not None)
 
     def export():
-        from qad_pipeline.vllm_setup import vllm_env
+        from qad_pipeline.checks.vllm_setup import vllm_env
         from tasks.export import run_export
 
         source = "QAD student"

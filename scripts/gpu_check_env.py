@@ -79,7 +79,7 @@ def env_stage(device: str):
 
     import tasks.export  # noqa: F401
     import tasks.qad  # noqa: F401
-    from qad_pipeline import nvfp4_cpu
+    from qad_pipeline.nvfp4 import nvfp4_cpu
 
     if device == "cuda":
         if nvfp4_cpu.is_installed():

@@ -1,8 +1,8 @@
 """Run on a CUDA machine from the repo root: python scripts/gpu_nvfp4_parity.py
 
 Compares modelopt's CUDA/Triton NVFP4 fake-quant kernels (on the GPU) with the CPU kernels in
-``qad_pipeline.nvfp4_cpu`` (on ``.cpu()`` copies of the same inputs), element for element, and
-explains every difference with ``qad_pipeline.nvfp4_parity.classify``:
+``qad_pipeline.nvfp4.nvfp4_cpu`` (on ``.cpu()`` copies of the same inputs), element for element, and
+explains every difference with ``qad_pipeline.nvfp4.nvfp4_parity.classify``:
 
 * dynamic path: ``tensorrt::dynamic_block_quantize_op`` (Triton ``fp4_fake_quant_block``) vs
   ``nvfp4_cpu.fp4_fake_quant_block``;
@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qad_pipeline import nvfp4_cpu  # noqa: E402
-from qad_pipeline import nvfp4_parity as parity  # noqa: E402
+from qad_pipeline.nvfp4 import nvfp4_cpu  # noqa: E402
+from qad_pipeline.nvfp4 import nvfp4_parity as parity  # noqa: E402
 from tests.nvfp4_cases import (  # noqa: E402
     BLOCK,
     PARITY_SIZE,

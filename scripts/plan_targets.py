@@ -8,9 +8,9 @@ that docs/memory-plan.md's table is this script's output.
 
 from __future__ import annotations
 
-from qad_pipeline import memory
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
-from qad_pipeline.stages import with_sweep
+from qad_pipeline.plan import memory
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.core.stages import with_sweep
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-30B-A3B", "nvidia/Nemotron-H-8B-Base-8K"]

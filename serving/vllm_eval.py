@@ -2,7 +2,7 @@
 
     <vllm-env>/bin/python serving/vllm_eval.py MODEL_DIR REQUEST.json OUT.json
 
-Scores one checkpoint as vLLM serves it: the project's lm-eval calls (`qad_pipeline/lm_eval_calls.py`,
+Scores one checkpoint as vLLM serves it: the project's lm-eval calls (`qad_pipeline/scoring/lm_eval_calls.py`,
 loaded by its path: this environment cannot import the project) through lm-eval's own `vllm` model,
 and the negative log-likelihood of each held-out window from vLLM's prompt log-probs.
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vllm_check import cpu_kv_cache_limit  # this script's folder is first on sys.path
 
-CALLS = Path(__file__).resolve().parent.parent / "qad_pipeline" / "lm_eval_calls.py"
+CALLS = Path(__file__).resolve().parent.parent / "qad_pipeline" / "scoring" / "lm_eval_calls.py"
 
 
 def load_calls_module():

@@ -1,6 +1,6 @@
 """The BF16 baseline stage: `qad-pipeline stage baseline` (flow and `dvc repro`).
 
-Scores the base model as every candidate will be scored (`qad_pipeline.evaluation`), and writes
+Scores the base model as every candidate will be scored (`qad_pipeline.scoring.evaluation`), and writes
 metrics/baseline.json and the BF16 reference distribution (artifacts/baseline/reference/) that
 every KL is measured against, in one pass over the held-out windows.
 """
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qad_pipeline.artifacts import staged_dir, write_json
-from qad_pipeline.config import Params
-from qad_pipeline.evaluation import evaluate_model
-from qad_pipeline.layout import Layout
-from qad_pipeline.modeling import checkpoint_identity, load_model, load_tokenizer
+from qad_pipeline.core.artifacts import staged_dir, write_json
+from qad_pipeline.core.config import Params
+from qad_pipeline.scoring.evaluation import evaluate_model
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.modeling import checkpoint_identity, load_model, load_tokenizer
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.scores import BaselineMetrics
-from qad_pipeline.sizes import size_report
+from qad_pipeline.nvfp4.sizes import size_report
 
 
 def run_baseline(params: Params, data_dir: Path, metrics_path: Path, reference_dir: Path) -> dict:

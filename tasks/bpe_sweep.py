@@ -19,14 +19,14 @@ from collections import Counter
 
 import numpy as np
 
-from qad_pipeline.artifacts import read_json, staged_dir
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.recovery import LEVEL, median_draws
+from qad_pipeline.core.artifacts import read_json, staged_dir
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.scoring.recovery import LEVEL, median_draws
 from qad_pipeline.results.base import dump_result, read_result, write_result
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, SweepSearch
-from qad_pipeline.results.selection import RecipeMetrics, RecoveryPoint
-from qad_pipeline.results.sweep import BPECurve, BPESweep, Knee, SweepPoint
+from qad_pipeline.results.selection_metrics import RecipeMetrics, RecoveryPoint
+from qad_pipeline.results.sweep_metrics import BPECurve, BPESweep, Knee, SweepPoint
 from tasks.selection import recipe_metrics
 
 
@@ -121,7 +121,7 @@ def _resamples(folder, baseline: BaselineMetrics, baseline_items: dict | None) -
 
 def run_bpe_sweep(params: Params, layout: Layout) -> BPESweep:
     """Stage core: the curve (sweep points and fixed recipes), the knee, the plot."""
-    from qad_pipeline.plots import bpe_sweep_plot
+    from qad_pipeline.reporting.plots import bpe_sweep_plot
 
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)
     items = layout.items("baseline")

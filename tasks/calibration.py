@@ -1,7 +1,7 @@
 """The calibration stage: `qad-pipeline stage calibration` (flow and `dvc repro`).
 
 Documents -> calibration samples and held-out eval data, written under artifacts/calibration/
-(what each file holds, and how the documents are read and split: `qad_pipeline.calibration_data`).
+(what each file holds, and how the documents are read and split: `qad_pipeline.core.calibration_data`).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import datasets
 
-from qad_pipeline.artifacts import fingerprint, staged_dir
-from qad_pipeline.calibration_data import prepare_calibration, write_jsonl
-from qad_pipeline.config import CalibrationParams, EvalParams, Params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import fingerprint, staged_dir
+from qad_pipeline.core.calibration_data import prepare_calibration, write_jsonl
+from qad_pipeline.core.config import CalibrationParams, EvalParams, Params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.data import CalibrationManifest, CalibrationSet, HeldOutSet
 
@@ -53,7 +53,7 @@ def build_calibration(params: Params, tokenizer, out_dir: Path) -> dict:
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:
     """The calibration stage: `qad-pipeline stage calibration`."""
-    from qad_pipeline.modeling import load_tokenizer
+    from qad_pipeline.core.modeling import load_tokenizer
 
     manifest = build_calibration(params, load_tokenizer(params.base_model), layout.data)["calibration"]
     return (f"calibration: {manifest['samples']} samples x {manifest['seq_len']} tokens, "

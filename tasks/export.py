@@ -4,8 +4,8 @@ Exports the QAD student (or, with `export.source`, a PTQ checkpoint; with select
 ptq_final, the selected one) with Model Optimizer's `export_hf_checkpoint` (a unified Hugging Face
 checkpoint: `hf_quant_config.json`, packed NVFP4 weights with FP8 block scales and FP32 global
 scales) and verifies it before the folder is put in place: formats, size, lint, weights and reload
-(`qad_pipeline.export_checks`), then serving: a real vLLM, in its own pinned environment, loads
-the checkpoint (`qad_pipeline.serving`): at the `full` level its prompt log-probs on held-out
+(`qad_pipeline.checks.export_checks`), then serving: a real vLLM, in its own pinned environment, loads
+the checkpoint (`qad_pipeline.checks.serving`): at the `full` level its prompt log-probs on held-out
 windows agree with the student's, which this stage writes beside the weights
 (`serving_reference.npz`), served as W4A16 (Hopper) and as stored (Blackwell), each within the
 reload check's rule of threshold; where vLLM cannot run the architecture on this device, vLLM's
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from qad_pipeline.artifacts import fingerprint, read_json, staged_dir, write_json
-from qad_pipeline.config import ConfigError, Params, StageError
-from qad_pipeline.export_verify import MANIFEST, check_checkpoint, failed_checks, source_folder, student_side
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import fingerprint, read_json, staged_dir, write_json
+from qad_pipeline.core.config import ConfigError, Params, StageError
+from qad_pipeline.checks.export_verify import MANIFEST, check_checkpoint, failed_checks, source_folder, student_side
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
-from qad_pipeline.results.export import ExportMetrics, ServingCheck, ServingNotes
+from qad_pipeline.results.export_metrics import ExportMetrics, ServingCheck, ServingNotes
 
 
 
@@ -77,7 +77,7 @@ def repair_layer_names(folder: Path) -> list[str]:
 
 def serving_notes(quant_config: dict, folder: Path, check: dict | None) -> ServingNotes:
     """What each GPU generation and each engine needs; the serve commands carry what vLLM detected."""
-    from qad_pipeline.serving import serve_commands
+    from qad_pipeline.checks.serving import serve_commands
 
     q = quant_config.get("quantization", {})
     return ServingNotes(
@@ -140,7 +140,7 @@ def export_source(params: Params, layout: Layout) -> tuple[str, Path]:
     """(what is exported, its checkpoint folder): `export.source`, where auto is the QAD student
     with selection.policy qad and the selected PTQ candidate with ptq_final."""
     from qad_pipeline.results.base import read_result
-    from qad_pipeline.results.selection import SelectionResult
+    from qad_pipeline.results.selection_metrics import SelectionResult
 
     source = params.export.source
     if source == "none":
@@ -168,9 +168,9 @@ def run_export(params: Params, layout: Layout) -> dict:
     place; write metrics/export.json."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.serving_reference import reference_bytes
-    from qad_pipeline.sizes import tokenizer_bytes
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
+    from qad_pipeline.checks.serving_reference import reference_bytes
+    from qad_pipeline.nvfp4.sizes import tokenizer_bytes
 
     source, student_dir = export_source(params, layout)
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from qad_pipeline.artifacts import read_json, write_json
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.recovery import score_recovery
+from qad_pipeline.core.artifacts import read_json, write_json
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.scoring.recovery import score_recovery
 from qad_pipeline.results.base import dump_result, read_result, write_result
-from qad_pipeline.results.qad import QADMetrics, QADTraining
+from qad_pipeline.results.qad_metrics import QADMetrics, QADTraining
 from qad_pipeline.results.scores import BaselineMetrics
-from qad_pipeline.results.selection import RecipeMetrics, SelectionResult
+from qad_pipeline.results.selection_metrics import RecipeMetrics, SelectionResult
 
 
 def comparison_table(baseline: BaselineMetrics, ptq: RecipeMetrics, qad: QADMetrics,
@@ -39,8 +39,8 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
     """Stage core: evaluate the QAD student against the BF16 baseline; write metrics/qad.json."""
     import torch
 
-    from qad_pipeline.evaluation import evaluate_model
-    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.scoring.evaluation import evaluate_model
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
 
     recipe = read_result(layout.selection_metrics, SelectionResult).selected
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)

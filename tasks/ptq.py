@@ -15,13 +15,13 @@ With `ptq.layerwise` (true, or auto when the model does not fit the GPUs the rec
 Model Optimizer calibrates one decoder layer at a time and checkpoints each finished layer under
 `<out-root>/artifacts/ptq_layerwise/<recipe>/<key>/` (kept when the process is killed, removed
 once the outputs are written); run again, it resumes after the last finished layer, and scores.json
-records `layerwise: {layers, resumed_from_layer, checkpoints}` (`qad_pipeline/layerwise.py`).
+records `layerwise: {layers, resumed_from_layer, checkpoints}` (`qad_pipeline/nvfp4/layerwise.py`).
 
 With `race.enabled` (racing the recipes), it scores only round 1's items (scores, items and KL
 cover them); the `race` stage (tasks/race.py) scores the later rounds of those still in contention.
 
 A recipe that resolves to the same quantizers as an earlier one in `ptq.recipes` on this model
-(`qad_pipeline.recipes.recipe_aliases`, checked on the meta device before any weight loads) is not run again: its
+(`qad_pipeline.nvfp4.recipes.recipe_aliases`, checked on the meta device before any weight loads) is not run again: its
 scores.json says `"status": "alias"` and names the recipe it repeats.
 
 Each recipe runs in its own process (the flow starts one per recipe), so a recipe that crashes
@@ -38,17 +38,17 @@ from pathlib import Path
 
 import torch
 
-from qad_pipeline import layerwise
-from qad_pipeline.artifacts import read_json, staged_dir, write_json
-from qad_pipeline.calibration_data import load_calibration
-from qad_pipeline.config import Params
-from qad_pipeline.evaluation import evaluate_model
-from qad_pipeline.layout import Layout
-from qad_pipeline.modeling import input_device, load_model, load_tokenizer, save_quantized, tied_embeddings
-from qad_pipeline.recipes import load_quantize_config, quantize_config, recipe_aliases
+from qad_pipeline.nvfp4 import layerwise
+from qad_pipeline.core.artifacts import read_json, staged_dir, write_json
+from qad_pipeline.core.calibration_data import load_calibration
+from qad_pipeline.core.config import Params
+from qad_pipeline.scoring.evaluation import evaluate_model
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.modeling import input_device, load_model, load_tokenizer, save_quantized, tied_embeddings
+from qad_pipeline.nvfp4.recipes import load_quantize_config, quantize_config, recipe_aliases
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.scores import AutoQuantizeResult, LayerwiseCalibration, PTQAlias, PTQScores
-from qad_pipeline.sizes import kv_cache_format, quantizer_format, size_report
+from qad_pipeline.nvfp4.sizes import kv_cache_format, quantizer_format, size_report
 
 
 def calibration_loop(samples: torch.Tensor, batch_size: int):
@@ -67,7 +67,7 @@ def quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_size: 
                    by_layer: bool = False, checkpoint_dir: Path | None = None):
     """`mtq.quantize` with the recipe's config; with `by_layer`, through Model Optimizer's layerwise
     calibration (checkpointing each layer into `checkpoint_dir`, and resuming from what it holds),
-    then the weights outside the decoder layers (`qad_pipeline.layerwise`)."""
+    then the weights outside the decoder layers (`qad_pipeline.nvfp4.layerwise`)."""
     import modelopt.torch.quantization as mtq
 
     config, forward_loop = quantize_config(model, recipe_path), calibration_loop(samples, batch_size)
@@ -139,7 +139,7 @@ def recipe_settings(model, recipe_path: Path) -> dict:
     """The recipe's choices as they landed on this model, for side-by-side comparison:
     calibration algorithm, weight-scale method, the Mamba projections' format, the KV cache's
     (an AutoQuantize recipe: `auto_quantize/<scoring>` and its candidate formats)."""
-    from qad_pipeline import autoquant
+    from qad_pipeline.nvfp4 import autoquant
 
     if autoquant.is_auto_quantize(recipe_path):
         chosen = autoquant.settings(autoquant.load_recipe(recipe_path))
@@ -176,7 +176,7 @@ def auto_quantize_model(model, recipe_path: Path, samples: torch.Tensor, batch_s
     """
     import tempfile
 
-    from qad_pipeline import autoquant
+    from qad_pipeline.nvfp4 import autoquant
 
     spec = autoquant.load_recipe(recipe_path)
     budget = spec.effective_bits if budget is None else budget
@@ -208,8 +208,8 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     recipe and calibration), removed once the outputs are written; None: it keeps none.
     `eval_items` (racing): the item ids of each task to score (round 1's; `evaluate_model`).
     """
-    from qad_pipeline import autoquant
-    from qad_pipeline.reference import Reference
+    from qad_pipeline.nvfp4 import autoquant
+    from qad_pipeline.scoring.reference import Reference
 
     started = time.time()
     name = name or recipe
@@ -282,11 +282,11 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
 
 
 def first_round(params: Params, layout: Layout) -> dict[str, list[int]] | None:
-    """With `race.enabled`, the items a recipe scores here: round 1's (`qad_pipeline.racing`); the
+    """With `race.enabled`, the items a recipe scores here: round 1's (`qad_pipeline.scoring.racing`); the
     race stage scores the later rounds of the recipes still in contention."""
     if not params.race.enabled:
         return None
-    from qad_pipeline.racing import round_ids
+    from qad_pipeline.scoring.racing import round_ids
 
     return round_ids(read_json(layout.items("baseline")), params.race.fractions, params.race.seed)[0]
 

@@ -9,7 +9,7 @@ simulated quantization in every forward pass (straight-through gradients to its 
 The loop, in full (`train_step`, `micro_step`): batch -> teacher (no grad) -> student -> KD loss ->
 backward -> clip -> AdamW step -> schedule -> checkpoint. The student is saved in the base model's dtype.
 `qad.chunked_loss` (default): the loss from the decoders' last hidden states, chunk by chunk of
-positions, never [tokens x vocab] logits (`qad_pipeline/kd_loss.py`; FSDP2 keeps the full logits).
+positions, never [tokens x vocab] logits (`qad_pipeline/training/kd_loss.py`; FSDP2 keeps the full logits).
 No host sync per step: the loss stays on the device and is read one step late (before a checkpoint is
 written, all of it). `qad.compile`: `torch.compile` on each decoder block. benchmarks/qad_throughput.py
 measures this loop.
@@ -25,7 +25,7 @@ Memory (`qad.gradient_checkpointing`): transformers' gradient checkpointing, non
 decoder block's activations are recomputed in backward. A model class that transformers cannot
 checkpoint is refused with a one-line error before training.
 
-Several processes (`qad.num_gpus > 1`, or `qad.num_nodes > 1`; `qad_pipeline/distributed.py`).
+Several processes (`qad.num_gpus > 1`, or `qad.num_nodes > 1`; `qad_pipeline/training/distributed.py`).
 `qad-pipeline stage qad` starts itself again under torchrun, one process per GPU (`--standalone`, or
 a c10d rendezvous across nodes), so Prefect, `dvc repro`, a Kubeflow TrainJob and the tests run the
 same command (`launch_processes`). Each process takes its own rows of each global batch
@@ -68,10 +68,10 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from tqdm import tqdm
 
-from qad_pipeline import kd_loss
-from qad_pipeline.artifacts import fingerprint, staged_dir
-from qad_pipeline.config import ConfigError, Params, QADParams, StageError
-from qad_pipeline.distributed import (
+from qad_pipeline.training import kd_loss
+from qad_pipeline.core.artifacts import fingerprint, staged_dir
+from qad_pipeline.core.config import ConfigError, Params, QADParams, StageError
+from qad_pipeline.training.distributed import (
     World,
     held_bytes,
     join_world,
@@ -81,14 +81,14 @@ from qad_pipeline.distributed import (
     save_checkpoint,
     trained_student,
 )
-from qad_pipeline.layout import Layout
-from qad_pipeline.modeling import input_device, load_tokenizer
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.modeling import input_device, load_tokenizer
 from qad_pipeline.results.base import read_result, write_result
-from qad_pipeline.results.qad import LossCurve, QADTraining
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.teacher_cache import TeacherCache
-from qad_pipeline.trainjob import cluster_from_env
-from qad_pipeline.training_text import batch_indices, training_windows
+from qad_pipeline.results.qad_metrics import LossCurve, QADTraining
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.training.cached_teacher import TeacherCache
+from qad_pipeline.training.trainjob import cluster_from_env
+from qad_pipeline.training.training_text import batch_indices, training_windows
 
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
@@ -105,7 +105,7 @@ def check_student_matches_teacher(student_dir: Path, params: Params) -> None:
     """Architecture and vocabulary of the student artifact equal the teacher's, before training."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from qad_pipeline.modeling import load_config
+    from qad_pipeline.core.modeling import load_config
 
     remote = params.base_model.trust_remote_code  # the student is the base model's class, with its code
     teacher_cfg = load_config(params.base_model)
@@ -165,7 +165,7 @@ class QADStep:
     world: World = field(default_factory=World)
     sharded: bool = False  # FSDP2 over several processes
     compute_dtype: str = "float32"
-    chunked: bool = True  # the chunked KD loss (qad_pipeline/kd_loss.py); False: from the full logits
+    chunked: bool = True  # the chunked KD loss (qad_pipeline/training/kd_loss.py); False: from the full logits
     chunk_tokens: int = kd_loss.CHUNK_TOKENS
 
 
@@ -272,7 +272,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     windows = training_windows(params, tokenizer, data_dir)
 
     # fsdp: the teacher and the student sharded over the processes; ddp: both whole on every process.
-    # A cached teacher is read from the teacher_cache stage's files instead (qad_pipeline/teacher_cache.py).
+    # A cached teacher is read from the teacher_cache stage's files instead (qad_pipeline/training/cached_teacher.py).
     cache = TeacherCache(teacher_cache, params, windows) if qad.teacher == "cached" else None
     teacher = load_spread(params, world).requires_grad_(False).eval() if cache is None else None
     student = load_spread(params, world, folder=student_dir, dtype=torch.float32).train()
@@ -353,7 +353,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     }
     final = trained_student(student, world, params, student_dir)
     if world.rank == 0:
-        from qad_pipeline.modeling import save_quantized
+        from qad_pipeline.core.modeling import save_quantized
 
         with staged_dir(out_dir) as tmp:
             save_quantized(final, tokenizer, tmp / "model")
@@ -369,8 +369,8 @@ def submit_nodes(params: Params, layout: Layout, cluster) -> None:
     """Run this stage's own command on qad.num_nodes nodes as a TrainJob and wait for it."""
     import sys
 
-    from qad_pipeline.runlock import LOCK_NAME
-    from qad_pipeline.trainjob import run_trainjob, trainjob_manifest
+    from qad_pipeline.platform.runlock import LOCK_NAME
+    from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
 
     token = json.loads((layout.root / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
     command = ["qad-pipeline", *sys.argv[1:]]

@@ -2,7 +2,7 @@
 
 Each PTQ recipe has scored round 1's items (`tasks/ptq.py: first_round`); the sweep's points, if
 they compete, scored every item. Round by round, this stage stops the candidates selection could
-no longer choose (`qad_pipeline.racing.decide`: median-recovery interval below selection's floor,
+no longer choose (`qad_pipeline.scoring.racing.decide`: median-recovery interval below selection's floor,
 or beaten beyond the intervals by a candidate with no more bits) and scores the others on the
 next round's items: it loads each contender's saved checkpoint, one model at a time, and scores
 only the items it lacks (`evaluate_model` with lm-eval's `samples`; perplexity windows and KL by
@@ -22,12 +22,12 @@ import hashlib
 import json
 import shutil
 
-from qad_pipeline import racing
-from qad_pipeline.artifacts import read_json, write_json
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
+from qad_pipeline.scoring import racing
+from qad_pipeline.core.artifacts import read_json, write_json
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, read_result, write_result
-from qad_pipeline.results.race import RaceCandidate, RaceResult, RaceStop
+from qad_pipeline.results.race_metrics import RaceCandidate, RaceResult, RaceStop
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
 from tasks.selection import KV_BITS, sweep_candidates
 
@@ -85,8 +85,8 @@ class Scorer:
     def _score(self, name: str, ids: dict[str, list[int]]) -> dict:
         import gc
 
-        from qad_pipeline.evaluation import evaluate_model
-        from qad_pipeline.modeling import load_model, load_tokenizer
+        from qad_pipeline.scoring.evaluation import evaluate_model
+        from qad_pipeline.core.modeling import load_model, load_tokenizer
 
         p, layout = self.params, self.layout
         print(f"race: scoring {name} on {racing.count(ids)} more items", flush=True)

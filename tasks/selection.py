@@ -12,7 +12,7 @@ The policy of the documents, as a pure function (`select_recipe`):
 Compression decides among eligible recipes, so a recipe with at least the bits and KV cache of
 another and less recovery is never chosen; among equally compressed ones the higher recovery
 wins. Each recovery carries a confidence interval (a seeded paired bootstrap over eval items,
-`qad_pipeline.recovery`): a recovery difference inside the intervals is a tie, and the reason
+`qad_pipeline.scoring.recovery`): a recovery difference inside the intervals is a tie, and the reason
 says so when it names the runner-up and why it lost. Recipes that resolve to the same quantizers
 on this model (`"alias"` rows) are shown with the recipe they repeat and are never candidates.
 With `selection.sweep` set, the BPE sweep's knee (or all its points), named `<recipe>@<budget>`,
@@ -29,19 +29,19 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import ConfigError, Params, SelectionParams
-from qad_pipeline.layout import Layout
-from qad_pipeline.recipes import recipe_aliases
-from qad_pipeline.racing import on_items, restrict
-from qad_pipeline.recovery import score_recovery
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import ConfigError, Params, SelectionParams
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.nvfp4.recipes import recipe_aliases
+from qad_pipeline.scoring.racing import on_items, restrict
+from qad_pipeline.scoring.recovery import score_recovery
 from qad_pipeline.results.base import dump_result, read_result, write_result
-from qad_pipeline.results.race import RaceResult
+from qad_pipeline.results.race_metrics import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult
-from qad_pipeline.results.selection import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, Racing, RecipeRow,
+from qad_pipeline.results.selection_metrics import (RecipeAlias, RecipeFailed, RecipeMetrics, RecipeResult, Racing, RecipeRow,
                                             RecoveryPoint, RecoveryTable, SelectionResult)
-from qad_pipeline.results.sweep import BPESweep
-from qad_pipeline.stages import with_sweep
+from qad_pipeline.results.sweep_metrics import BPESweep
+from qad_pipeline.core.stages import with_sweep
 
 KV_BITS = {"nvfp4": 4.5, "fp8": 8, "bf16": 16, "fp16": 16, "none": 16}
 

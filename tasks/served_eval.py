@@ -2,7 +2,7 @@
 
 After the export's checks, scores what will be served: the exported checkpoint and the BF16 base
 model, both through lm-eval's `vllm` model in the project's vLLM environment
-(`qad_pipeline.served_eval.vllm_evaluate`), on the same tasks, settings and perplexity windows as
+(`qad_pipeline.scoring.served_scores.vllm_evaluate`), on the same tasks, settings and perplexity windows as
 every other evaluation. The served recovery is the export's score over the served BF16 score, with
 the same paired bootstrap interval (`recovery.score_recovery`); next to it, the recovery the
 pipeline measured in memory (transformers, fake quantization: the final eval's for a QAD student,
@@ -19,14 +19,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from qad_pipeline.artifacts import write_json
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.recovery import score_recovery
+from qad_pipeline.core.artifacts import write_json
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.scoring.recovery import score_recovery
 from qad_pipeline.results.base import read_result, write_result
-from qad_pipeline.results.export import ExportMetrics
-from qad_pipeline.results.qad import QADMetrics
-from qad_pipeline.results.selection import RecipeMetrics
+from qad_pipeline.results.export_metrics import ExportMetrics
+from qad_pipeline.results.qad_metrics import QADMetrics
+from qad_pipeline.results.selection_metrics import RecipeMetrics
 from qad_pipeline.results.served import InMemory, ServedEval
 
 
@@ -68,8 +68,8 @@ def comparison(served: dict, memory: InMemory | None) -> list[dict]:
 
 def run_served_eval(params: Params, layout: Layout, log=print) -> ServedEval:
     """Stage core: score the export and the BF16 base model through vLLM; write metrics/served.json."""
-    from qad_pipeline.modeling import model_location
-    from qad_pipeline.served_eval import served_backend_limit, vllm_evaluate
+    from qad_pipeline.core.modeling import model_location
+    from qad_pipeline.scoring.served_scores import served_backend_limit, vllm_evaluate
 
     started = time.perf_counter()
     export = read_result(layout.export_metrics, ExportMetrics)

@@ -9,8 +9,8 @@ PTQ recipe (`tasks/ptq.py: run_ptq`: the same tasks, KL against the same BF16 re
 
 from __future__ import annotations
 
-from qad_pipeline.config import ConfigError, Params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.config import ConfigError, Params
+from qad_pipeline.core.layout import Layout
 from tasks.ptq import run_ptq
 from tasks.sweep_search import STATE
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from qad_pipeline import autoquant
-from qad_pipeline.artifacts import staged_dir
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
+from qad_pipeline.nvfp4 import autoquant
+from qad_pipeline.core.artifacts import staged_dir
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import write_result
 from qad_pipeline.results.scores import SweepSearch
 
@@ -26,8 +26,8 @@ STATE = "state.pt"
 
 def run_sweep_search(params: Params, layout: Layout) -> SweepSearch:
     """Stage core: search once with the sweep's recipe; keep Model Optimizer's search state."""
-    from qad_pipeline.calibration_data import load_calibration
-    from qad_pipeline.modeling import load_model, tied_embeddings
+    from qad_pipeline.core.calibration_data import load_calibration
+    from qad_pipeline.core.modeling import load_model, tied_embeddings
 
     recipe_path = params.recipe_path(params.sweep.recipe)
     spec = autoquant.check_recipe(recipe_path, params.sweep.budgets, params.base_model)

@@ -3,18 +3,18 @@
 Runs the BF16 teacher once over the training windows QAD will draw and writes its next-token
 distribution at `qad.temperature` in bounded form (top k + tail samples) to
 artifacts/teacher_cache/, which QAD then reads instead of loading the teacher
-(`qad_pipeline/teacher_cache.py` has the format and the loss estimator). It needs only the
+(`qad_pipeline/training/cached_teacher.py` has the format and the loss estimator). It needs only the
 calibration data, so it runs beside the baseline and the PTQ recipes.
 """
 
 from __future__ import annotations
 
-from qad_pipeline.artifacts import staged_dir
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.modeling import load_model, load_tokenizer
-from qad_pipeline.teacher_cache import write_cache
-from qad_pipeline.training_text import training_windows
+from qad_pipeline.core.artifacts import staged_dir
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.modeling import load_model, load_tokenizer
+from qad_pipeline.training.cached_teacher import write_cache
+from qad_pipeline.training.training_text import training_windows
 
 
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str:

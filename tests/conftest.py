@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.config import PROJECT_ROOT
+from qad_pipeline.core.layout import Layout
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.core.config import PROJECT_ROOT
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -286,7 +286,7 @@ def set_params(repo: Path, overrides: list[str]) -> None:
     """Apply `section.key=value` overrides to the project's params.yaml itself."""
     import yaml
 
-    from qad_pipeline.config import apply_overrides
+    from qad_pipeline.core.config import apply_overrides
 
     path = repo / "params.yaml"
     path.write_text(yaml.safe_dump(apply_overrides(yaml.safe_load(path.read_text()), overrides), sort_keys=False))

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.data import CalibrationManifest
-from qad_pipeline.results.export import ExportMetrics, ServingNotes
-from qad_pipeline.results.qad import LossCurve, QADMetrics, QADTraining
-from qad_pipeline.results.race import RaceCandidate, RaceResult, RaceStop
+from qad_pipeline.results.export_metrics import ExportMetrics, ServingNotes
+from qad_pipeline.results.qad_metrics import LossCurve, QADMetrics, QADTraining
+from qad_pipeline.results.race_metrics import RaceCandidate, RaceResult, RaceStop
 from qad_pipeline.results.run import RunSummary
 from qad_pipeline.results.scores import (
     BaselineMetrics,
@@ -23,7 +23,7 @@ from qad_pipeline.results.scores import (
     PTQScores,
     TaskScore,
 )
-from qad_pipeline.results.selection import (
+from qad_pipeline.results.selection_metrics import (
     RecipeAlias,
     RecipeFailed,
     RecipeMetrics,

@@ -5,8 +5,8 @@ which the registry entry references as `module:name`."""
 
 from __future__ import annotations
 
-from qad_pipeline.costs import CostModel
-from qad_pipeline.eval_costs import EvalCost
+from qad_pipeline.plan.costs import CostModel
+from qad_pipeline.plan.eval_costs import EvalCost
 from qad_pipeline.results.base import Strict, write_result
 
 CARD_BYTES = 4096

@@ -16,9 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from qad_pipeline import tracking
-from qad_pipeline.calibration_data import read_documents
+from qad_pipeline.core.calibration_data import read_documents
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 from tests.http_stub import serve
 
 runner = CliRunner()
@@ -364,7 +364,7 @@ def test_a_secret_in_a_parameter_is_refused_without_being_printed(demo_model_pat
     ("monkey", False), ("keyframes", False),
 ])
 def test_secret_names(name, secret):
-    from qad_pipeline.redaction import is_secret_name
+    from qad_pipeline.core.redaction import is_secret_name
 
     assert is_secret_name(name) is secret
 

@@ -3,9 +3,9 @@ AutoQuantize model's layer map and both bit counts against the safetensors of it
 
 import pytest
 
-from qad_pipeline import autoquant
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
-from qad_pipeline.results.sweep import SweepPoint
+from qad_pipeline.nvfp4 import autoquant
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.results.sweep_metrics import SweepPoint
 from tasks.bpe_sweep import choose_knee, monotone_within, noise
 
 SWEEP_RECIPE = PROJECT_ROOT / "recipes" / "autoquant_4o6-fp8-kv_fp8.yaml"
@@ -89,10 +89,10 @@ def test_layer_map_and_both_bit_counts_agree_with_the_export(tmp_path):
     layer map's, and the project's whole-model count is the safetensors' (the export's checks)."""
     from modelopt.torch.export import export_hf_checkpoint
 
-    from qad_pipeline.artifacts import read_json
-    from qad_pipeline.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
-    from qad_pipeline.modeling import load_model, load_tokenizer
-    from qad_pipeline.sizes import size_report
+    from qad_pipeline.core.artifacts import read_json
+    from qad_pipeline.checks.export_checks import check_formats, check_size, normalize, read_tensors, tensor_format
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
+    from qad_pipeline.nvfp4.sizes import size_report
     from tasks.export import repair_layer_names
 
     params = load_params()
@@ -140,12 +140,12 @@ def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.sweep import bpe_sweep
+    from flows.sweep_flow import bpe_sweep
     from qad_pipeline import tracking
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.layout import Layout
     from qad_pipeline.results.base import read_result
     from qad_pipeline.results.scores import PTQScores
-    from qad_pipeline.results.sweep import BPESweep
+    from qad_pipeline.results.sweep_metrics import BPESweep
     from tests.conftest import GOOD_RECIPES, TINY
 
     overrides = [*TINY, f"ptq.recipes=[{GOOD_RECIPES[0]}]", "sweep.budgets=[5.0, 8.0]"]
@@ -173,7 +173,7 @@ def test_sweep_flow_gives_the_curve_the_knee_and_its_records(tmp_path):
 
 def test_kl_div_scoring_searches_to_the_budget_too():
     """`method: kl_div` scores by the KL between unquantized and quantized logits (no backward)."""
-    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
 
     params = load_params()
     model, tokenizer = load_model(params.base_model, params.hardware), load_tokenizer(params.base_model)
@@ -191,7 +191,7 @@ def _noisy_curve(seed: int, wrong: dict[float, float]):
     `wrong[bits]`, drawn with `seed` (one eval run); its scores, items and paired resamples."""
     import numpy as np
 
-    from qad_pipeline.recovery import median_draws
+    from qad_pipeline.scoring.recovery import median_draws
 
     rng = np.random.default_rng(seed)
     base_values = (np.arange(400) % 5 != 0).astype(float)  # 80 % right

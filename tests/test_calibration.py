@@ -3,9 +3,9 @@
 import numpy as np
 from transformers import AutoTokenizer
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.calibration_data import load_calibration, split_documents
-from qad_pipeline.config import load_params
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.calibration_data import load_calibration, split_documents
+from qad_pipeline.core.config import load_params
 from tasks.calibration import build_calibration
 
 
@@ -39,8 +39,8 @@ def test_a_hub_dataset_is_streamed_at_its_revision_and_read_only_as_far_as_neede
                                                                                 monkeypatch):
     """No hub here: `datasets.load_dataset` is replaced by a stream of the demo's documents, 50
     times over, that counts what was read."""
-    from qad_pipeline import calibration_data
-    from qad_pipeline.versioning import dvc_yaml
+    from qad_pipeline.core import calibration_data
+    from qad_pipeline.platform.versioning import dvc_yaml
     from tasks.qad import training_windows
 
     texts = [p.read_text() for p in sorted((demo_model_path.parent.parent / "data" / "heldout").glob("*.txt"))]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qad_pipeline.config import PROJECT_PARAMS
+from qad_pipeline.core.config import PROJECT_PARAMS
 from tests.conftest import GOOD_RECIPES, TINY
 from tests.devstack import tool_env
 
@@ -233,7 +233,7 @@ def resume_killed_after_qad(command: list[str], env: dict, root: Path, tmp_path:
 
 def test_watchdog_ends_with_its_run_and_stops_only_what_the_run_left_behind():
     run = ("import subprocess, time\n"
-           "from qad_pipeline import processes\n"
+           "from qad_pipeline.platform import processes\n"
            "watchdog = processes.start_watchdog(interval_s=0.2)\n"
            "left = subprocess.Popen(['sleep', '60'])\n"
            "print(watchdog.pid, left.pid, flush=True)\n"
@@ -257,7 +257,7 @@ def test_a_stage_process_started_after_stop_all_is_stopped_at_once():
     """A task submitted before the stop starts its process after `stop_all` has looked: `started`
     stops it (in a process of its own: the stop is for good)."""
     run = ("import subprocess\n"
-           "from qad_pipeline import processes\n"
+           "from qad_pipeline.platform import processes\n"
            "processes.stop_all(grace_s=0)\n"
            "late = subprocess.Popen(['sleep', '60'], start_new_session=True)\n"
            "processes.started(late)\n"

@@ -2,8 +2,8 @@
 
 import pytest
 
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
-from qad_pipeline.preflight import check_recipes
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.plan.preflight import check_recipes
 
 
 def test_defaults_load_and_name_five_recipes_with_files():
@@ -53,7 +53,7 @@ def test_every_code_default_is_params_yaml_value():
     import yaml
     from pydantic_core import PydanticUndefined
 
-    from qad_pipeline.config import Params
+    from qad_pipeline.core.config import Params
 
     written = yaml.safe_load(PROJECT_PARAMS.read_text())
     for section, info in Params.model_fields.items():

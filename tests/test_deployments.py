@@ -10,7 +10,7 @@ from datetime import timedelta
 import psutil
 import pytest
 
-from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.core.config import PROJECT_ROOT
 from tests.devstack import LocalPrefect
 from tests.conftest import GOOD_RECIPES, TINY
 
@@ -119,7 +119,7 @@ def wait_until(check, timeout: float, what: str):
 
 
 def test_setup_created_the_pools_and_the_crash_automation(stack):
-    from qad_pipeline.prefect_setup import AUTOMATION
+    from qad_pipeline.platform.prefect_setup import AUTOMATION
 
     with stack.client() as client:
         assert {p.name: p.type for p in client.read_work_pools()} == {"qad-control": "process", "qad-gpu": "process"}

@@ -1,15 +1,15 @@
-"""The plan's disk (`qad_pipeline.disk_plan`): every place a run writes or downloads, each named."""
+"""The plan's disk (`qad_pipeline.plan.disk_plan`): every place a run writes or downloads, each named."""
 
 import shutil
 
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline import costs, disk_plan, memory
+from qad_pipeline.plan import costs, disk_plan, memory
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
-from qad_pipeline.layout import OUT_ROOT_ENV
-from qad_pipeline.memory_model import model_shape
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
+from qad_pipeline.core.layout import OUT_ROOT_ENV
+from qad_pipeline.plan.memory_model import model_shape
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 

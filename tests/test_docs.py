@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from qad_pipeline.config import PROJECT_ROOT
+from qad_pipeline.core.config import PROJECT_ROOT
 
 README_MAX_LINES = 250
 

@@ -121,7 +121,7 @@ def test_repro_refused_while_a_run_writes_the_outputs(project):
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\n"
-         "from qad_pipeline.runlock import dvc_write_lock, run_lock\n"
+         "from qad_pipeline.platform.runlock import dvc_write_lock, run_lock\n"
          f"with run_lock({str(repo)!r}, 'run'), dvc_write_lock({str(repo)!r}, 'qad-pipeline run (Prefect flow run x)'):\n"
          "    print('held', flush=True); time.sleep(60)\n"],
         stdout=subprocess.PIPE, text=True, env=tool_env())
@@ -158,8 +158,8 @@ def test_push_pull_and_a_missing_remote(project):
 
 
 def test_a_run_in_the_project_pushes_its_stages_to_the_configured_remote(project, tmp_path):
-    from qad_pipeline.dvc_remote import after_run
-    from qad_pipeline.remote_config import RemoteParams
+    from qad_pipeline.platform.dvc_remote import after_run
+    from qad_pipeline.platform.remote_config import RemoteParams
 
     repo = project[0]
     ran = [(name.split("@")[0], name.partition("@")[2] or None) for name in sorted(ALL_STAGES)]
@@ -188,7 +188,7 @@ def test_stale_lock_of_a_killed_run_is_reported_and_recovered(project):
 
 
 def test_a_run_that_overrides_params_is_not_recorded(project):
-    from qad_pipeline import versioning
+    from qad_pipeline.platform import versioning
 
     repo = project[0]
     assert versioning.why_not_recorded(repo, repo / "params.yaml", [f"ptq.recipes=[{', '.join(GOOD_RECIPES)}]"]) is None

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from qad_pipeline import dvc_remote
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
-from qad_pipeline.remote_config import RemoteParams
-from qad_pipeline.stages import STAGES
+from qad_pipeline.platform import dvc_remote
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.platform.remote_config import RemoteParams
+from qad_pipeline.core.stages import STAGES
 from tests.devstack import free_port, tool_env
 
 KEYS = {"AWS_ACCESS_KEY_ID": "qad-test-key", "AWS_SECRET_ACCESS_KEY": "qad-test-secret", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -110,7 +110,7 @@ def fake_run(root: Path) -> list[tuple[str, str | None]]:
 def mlflow_run(root: Path) -> tuple[str, str]:
     """An ended MLflow run in the run folder's own store, recorded as the run's (as the flow does)."""
     from qad_pipeline import tracking
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.layout import Layout
 
     uri = tracking.tracking_uri(root)
     client = tracking.client_for(uri)

@@ -1,4 +1,4 @@
-"""What the plan says each evaluation sends (qad_pipeline/eval_costs.py): the standard suite's
+"""What the plan says each evaluation sends (qad_pipeline/plan/eval_costs.py): the standard suite's
 requests, racing's round-1 pricing, and a registry task whose size is unknown. No model loads."""
 
 import json
@@ -9,11 +9,11 @@ import lm_eval
 import pytest
 import yaml
 
-from qad_pipeline import costs, eval_costs
-from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.eval_costs import STANDARD, stage_cost, task_sizes
-from qad_pipeline.memory_model import model_shape
-from qad_pipeline.targets import parse
+from qad_pipeline.plan import costs, eval_costs
+from qad_pipeline.core.config import PROJECT_ROOT, load_params
+from qad_pipeline.plan.eval_costs import STANDARD, stage_cost, task_sizes
+from qad_pipeline.plan.memory_model import model_shape
+from qad_pipeline.plan.targets import parse
 
 PROFILE_8B = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 TASKS = Path(lm_eval.__file__).parent / "tasks"
@@ -113,7 +113,7 @@ def test_the_docs_have_the_standard_suites_cost_from_the_plan():
 def test_the_racing_budget_counts_items_as_the_race_does():
     """The plan's items per round are what `racing.round_ids` slices from the baseline's items (the
     demo's 300 cloze, 200 continuation items and 48 windows: 137 at a quarter, as the demo's measured race scored in round 1)."""
-    from qad_pipeline import racing
+    from qad_pipeline.scoring import racing
 
     params = load_params(PROJECT_ROOT / "params.yaml", ["race.enabled=true", "race.fractions=[0.1,0.25,0.5,1.0]"])
     ev = params.eval

@@ -1,4 +1,4 @@
-"""Task groups (qad_pipeline/eval_groups.py): lm-eval's aggregate as the score, each sub-task's value,
+"""Task groups (qad_pipeline/scoring/eval_groups.py): lm-eval's aggregate as the score, each sub-task's value,
 per-item values gathered from the sub-tasks' samples, and racing a group by those items. Offline, on a
 local group shaped like MMLU (tests/data/eval_group/: group > group > tag > task, size-weighted, two
 MMLU-shaped sub-tasks of 6 and 3 items over local jsonl) with the demo model."""
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import yaml
 
-from qad_pipeline import eval_groups, evaluation
-from qad_pipeline.config import (
+from qad_pipeline.scoring import eval_groups, evaluation
+from qad_pipeline.core.config import (
     PROJECT_PARAMS,
     PROJECT_ROOT,
     ConfigError,
     load_params,
     resolve,
 )
-from qad_pipeline.eval_groups import ITEM_STRIDE as S
-from qad_pipeline.lm_eval_calls import registry_for
-from qad_pipeline.recovery import score_recovery
+from qad_pipeline.scoring.eval_groups import ITEM_STRIDE as S
+from qad_pipeline.scoring.lm_eval_calls import registry_for
+from qad_pipeline.scoring.recovery import score_recovery
 from qad_pipeline.results.scores import TaskScore
 
 GROUP_DIR = PROJECT_ROOT / "tests" / "data" / "eval_group"
@@ -168,7 +168,7 @@ def test_racing_a_group_scores_exactly_the_requested_docs_in_their_subtasks(runs
 
 @pytest.mark.slow  # indexes lm-eval's registry (~9 s); reads no data
 def test_lm_evals_mmlu_is_read_as_its_57_subjects_and_raced_by_them(tmp_path):
-    from qad_pipeline.eval_costs import STANDARD
+    from qad_pipeline.plan.eval_costs import STANDARD
 
     params = load_params(PROJECT_PARAMS, ["eval.tasks=[mmlu]", "eval.task_settings={}"])
     evaluation.check_tasks(params.eval)

@@ -7,8 +7,8 @@ import json
 import pytest
 import yaml
 
-from qad_pipeline import evaluation
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.scoring import evaluation
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
 
 TASK = {
     "task": "gsm8k_local", "dataset_path": "json", "test_split": "test", "fewshot_split": "test",
@@ -42,7 +42,7 @@ def task_files(tmp_path_factory):
 def test_settings_reach_lm_eval_and_the_strict_match_is_read(task_files, monkeypatch):
     import lm_eval
 
-    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
 
     settings = {"gsm8k_local": {"num_fewshot": 2, "apply_chat_template": True, "fewshot_as_multiturn": True,
                                 "gen_kwargs": {"max_gen_toks": 8}, "metric": "exact_match",

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.calibration_data import load_ppl_windows
-from qad_pipeline.config import ConfigError, load_params
-from qad_pipeline.export_checks import check_formats, check_reload, check_size, read_tensors, reload_reference
-from qad_pipeline.export_lint import lint, student_input_scales
-from qad_pipeline.modeling import load_model
-from qad_pipeline.sizes import size_report
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.calibration_data import load_ppl_windows
+from qad_pipeline.core.config import ConfigError, load_params
+from qad_pipeline.checks.export_checks import check_formats, check_reload, check_size, read_tensors, reload_reference
+from qad_pipeline.checks.export_lint import lint, student_input_scales
+from qad_pipeline.core.modeling import load_model
+from qad_pipeline.nvfp4.sizes import size_report
 from tasks.export import check_target
 
 

@@ -3,8 +3,8 @@ any manifest a folder may hold: the source it names, another one, or none."""
 
 import pytest
 
-from qad_pipeline.artifacts import write_json
-from qad_pipeline.config import ConfigError
+from qad_pipeline.core.artifacts import write_json
+from qad_pipeline.core.config import ConfigError
 from tasks.export import MANIFEST, check_target
 
 SOURCE = "0123456789abcdef" * 4

@@ -1,4 +1,4 @@
-"""The failure catalog (`qad_pipeline.failure_catalog`): every NVFP4 failure class, applied to a real
+"""The failure catalog (`qad_pipeline.checks.failure_catalog`): every NVFP4 failure class, applied to a real
 export (SmolLM2-135M; the demo's Nemotron-H for the MoE entries), is refused by the export check the
 catalog names, with its one-line problem; the same checks pass the export as it was written."""
 
@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from qad_pipeline import failure_catalog
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import load_params
-from qad_pipeline.export_checks import check_formats, check_weights, checkpoint_weights, read_tensors, student_weights
-from qad_pipeline.export_lint import lint, lint_folder, student_input_scales, student_weight_scales
-from qad_pipeline.modeling import load_model
-from qad_pipeline.sizes import size_report
+from qad_pipeline.checks import failure_catalog
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import load_params
+from qad_pipeline.checks.export_checks import check_formats, check_weights, checkpoint_weights, read_tensors, student_weights
+from qad_pipeline.checks.export_lint import lint, lint_folder, student_input_scales, student_weight_scales
+from qad_pipeline.core.modeling import load_model
+from qad_pipeline.nvfp4.sizes import size_report
 from tests.test_serving import RECIPE, real_params
 
 # entry -> the problem line its check gives (a regular expression, searched in each line)

@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import PROJECT_ROOT
+from qad_pipeline.core.layout import Layout
 from tests.conftest import GOOD_RECIPES
 
 pytestmark = pytest.mark.slow

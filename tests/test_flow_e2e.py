@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from qad_pipeline.artifacts import read_json
+from qad_pipeline.core.artifacts import read_json
 from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.run import RunSummary
 from tests.conftest import BROKEN_RECIPE as BROKEN
@@ -90,8 +90,8 @@ def test_recipe_table_published_as_prefect_artifact(run):
 def test_prefect_graph_has_the_dag_edges(run):
     """The task runs' upstream dependencies, as Prefect's API records them (the UI draws these), are
     the registry's `Stage.after`: every task run of each stage it names, in this run."""
-    from qad_pipeline.config import PROJECT_PARAMS, load_params
-    from qad_pipeline.stages import planned
+    from qad_pipeline.core.config import PROJECT_PARAMS, load_params
+    from qad_pipeline.core.stages import planned
 
     _, _, prefect, overrides = run
     runs = prefect["task_runs"]

@@ -1,4 +1,4 @@
-"""GPU slots (qad_pipeline/gpus.py): the environment each stage process gets on a multi-GPU node.
+"""GPU slots (qad_pipeline/plan/gpus.py): the environment each stage process gets on a multi-GPU node.
 
 No GPU here: the node is faked by the free memory `gpus.free_bytes` reports (one entry per GPU
 the process sees), and the stage process by a stand-in for `run_stage_process` that records the
@@ -16,8 +16,8 @@ import pytest
 
 from flows import recipe as recipe_flow
 from flows import runtime
-from qad_pipeline import gpus, memory
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.plan import gpus, memory
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PARAMS = str(PROJECT_ROOT / "params.yaml")
 ON_CUDA = ["hardware.device=cuda", "export.serving_check=skip"]  # no vLLM needed to plan a CUDA run here
@@ -134,7 +134,7 @@ def test_a_worker_given_some_gpus_hands_out_those(node, tmp_path, monkeypatch):
 def test_a_claim_waits_for_a_gpu_another_process_holds(node, tmp_path):
     node(2)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from qad_pipeline import gpus\n"
+        "import sys, time; from qad_pipeline.plan import gpus\n"
         "with gpus.claim(1, ('0',)):\n    print('held', flush=True); time.sleep(1.5)")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"

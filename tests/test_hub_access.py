@@ -1,4 +1,4 @@
-"""The preflight of a hub model (`qad_pipeline.hub_access`): a local stand-in for the hub answers as
+"""The preflight of a hub model (`qad_pipeline.core.hub_access`): a local stand-in for the hub answers as
 the Hugging Face hub does (status and `X-Error-Code`), so nothing here reaches the network. The
 offline case through the command line is in tests/test_bad_input.py."""
 
@@ -7,8 +7,8 @@ import socket
 import pytest
 from huggingface_hub import constants
 
-from qad_pipeline.config import BaseModelParams, ConfigError
-from qad_pipeline.hub_access import cached_snapshot, check_hub_access
+from qad_pipeline.core.config import BaseModelParams, ConfigError
+from qad_pipeline.core.hub_access import cached_snapshot, check_hub_access
 from tests.http_stub import serve
 
 REPO = "org/gated-model"

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from qad_pipeline.params_files import read_params_file
-from qad_pipeline.stages import STAGES
+from qad_pipeline.core.params_files import read_params_file
+from qad_pipeline.core.stages import STAGES
 from tests.infra_commands import shell_commands
 from tests.infra_files import INFRA, K8S, ROOT, WORKERS, compose, docker_args, dockerfile, pyproject, requirement, yaml_docs
 
@@ -191,7 +191,7 @@ def test_the_image_check_passes_in_the_test_environment(tmp_path):
 def test_the_image_check_fails_with_one_line_per_problem(check_image, tmp_path, monkeypatch, capsys):
     """A moved module (the Dockerfile's old `qad_pipeline.flows.pipeline`) and a replaced torch."""
     monkeypatch.delenv("QAD_VLLM_ENV", raising=False)
-    monkeypatch.setattr(check_image, "entry_points", lambda: ["qad_pipeline.stages:STAGES"])
+    monkeypatch.setattr(check_image, "entry_points", lambda: ["qad_pipeline.core.stages:STAGES"])
     bad = tmp_path / "pins.txt"
     bad.write_text("torch==0.0.1\n")
     code = check_image.main(["--constraints", str(bad), "--module", "qad_pipeline.flows.pipeline",
@@ -228,6 +228,6 @@ def test_the_image_check_refuses_a_missing_or_broken_vllm_environment(check_imag
 @pytest.mark.slow
 def test_the_image_check_passes_on_the_vllm_environment_of_setup_vllm(check_image):
     """The environment `qad-pipeline setup-vllm` made (the README's test command makes it) imports vLLM."""
-    from qad_pipeline.vllm_setup import vllm_env
+    from qad_pipeline.checks.vllm_setup import vllm_env
 
     assert check_image.vllm_failures(vllm_env()) == []

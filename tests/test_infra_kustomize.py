@@ -247,7 +247,7 @@ def test_multinode_qad_component_lets_the_qad_pod_launch_its_trainjob(tmp_path):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for obj in objs:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-    from qad_pipeline.trainjob import cluster_from_env
+    from qad_pipeline.training.trainjob import cluster_from_env
 
     config = find(objs, "ConfigMap", "qad-config")["data"]
     cluster = cluster_from_env({**config, "QAD_TRAINJOB_NAMESPACE": "qad"})
@@ -302,11 +302,11 @@ def test_sync_work_pool_against_a_prefect_server(tmp_path, monkeypatch, capsys):
         client.update_work_pool("qad-gpu", WorkPoolUpdate(concurrency_limit=3))
         assert script.sync("qad-gpu", pool.base_job_template).endswith("unchanged")
 
-        # what the pipeline's preflight reads of the pool (qad_pipeline/pools.py), and what the server
+        # what the pipeline's preflight reads of the pool (qad_pipeline/plan/pools.py), and what the server
         # does with a flow run that asks for more GPUs than the pool's nodes have
         from prefect.exceptions import PrefectHTTPStatusError
 
-        from qad_pipeline import pools
+        from qad_pipeline.plan import pools
 
         flow_id = client.create_flow_from_name("gpu-stage")
         deployment = client.create_deployment(flow_id=flow_id, name="gpu", work_pool_name="qad-gpu")

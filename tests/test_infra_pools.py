@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 
-from qad_pipeline.code_deps import module_file
+from qad_pipeline.core.code_deps import module_file
 from tests.infra_commands import check_command
 from tests.infra_files import ROOT, TEMPLATES, WORKERS, dockerfile, template, worker_args, yaml_docs
 

@@ -1,4 +1,4 @@
-"""The chunked KD loss (qad_pipeline/kd_loss.py) against the full-logits loss QAD computed before it,
+"""The chunked KD loss (qad_pipeline/training/kd_loss.py) against the full-logits loss QAD computed before it,
 on a tiny Llama whose student is NVFP4-quantized with the project's default recipe (CPU kernels).
 
 Measured (float32, CPU): with one chunk the loss and every parameter's gradient equal the full-logits
@@ -16,11 +16,11 @@ import pytest
 import torch
 from modelopt.torch.distill.losses import LogitsDistillationLoss
 
-from qad_pipeline import kd_loss
-from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.distributed import World
-from qad_pipeline.reference import reference_terms
-from qad_pipeline.teacher_cache import TeacherCache
+from qad_pipeline.training import kd_loss
+from qad_pipeline.core.config import PROJECT_ROOT, load_params
+from qad_pipeline.training.distributed import World
+from qad_pipeline.scoring.reference import reference_terms
+from qad_pipeline.training.cached_teacher import TeacherCache
 from tasks.qad import QADStep, micro_step
 
 VOCAB, BATCH, SEQ, T = 512, 2, 48, 2.0

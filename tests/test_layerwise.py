@@ -1,4 +1,4 @@
-"""Layerwise PTQ (`ptq.layerwise`, qad_pipeline/layerwise.py): Model Optimizer's layer-by-layer calibration
+"""Layerwise PTQ (`ptq.layerwise`, qad_pipeline/nvfp4/layerwise.py): Model Optimizer's layer-by-layer calibration
 gives the whole-model checkpoint on the demo, and a recipe killed with SIGKILL mid-calibration resumes
 from its per-layer checkpoints and ends with the same checkpoint.
 
@@ -8,7 +8,7 @@ KL and the task scores: with `max`/`mse` Model Optimizer captures each layer's i
 earlier layers' quantizers off (`get_qdq_activations_from_prev_layer: false`), so each layer sees
 the activations of a whole-model pass, batch by batch in the same order, and the amax reductions
 over them are the same float operations. The recipe is four-over-six (static NVFP4 weights, MSE
-search): the case where an uncalibrated `lm_head` crashes (qad_pipeline/layerwise.py).
+search): the case where an uncalibrated `lm_head` crashes (qad_pipeline/nvfp4/layerwise.py).
 """
 
 import json
@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from qad_pipeline import layerwise
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import load_params
-from qad_pipeline.layout import Layout
+from qad_pipeline.nvfp4 import layerwise
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import write_result
 from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
@@ -166,8 +166,8 @@ def test_kill_9_mid_calibration_resumes_from_the_last_finished_layer(whole_model
 def test_the_setting_per_recipe_and_what_is_refused(demo_model_path, tmp_path):
     """auto is whole-model on a CPU; true is refused for an AutoQuantize recipe, and for a recipe that
     quantizes activations outside the decoder layers before any layer is calibrated."""
-    from qad_pipeline.config import ConfigError
-    from qad_pipeline.modeling import load_model
+    from qad_pipeline.core.config import ConfigError
+    from qad_pipeline.core.modeling import load_model
     from tasks.ptq import quantize_model
 
     params = load_params(overrides=TINY)

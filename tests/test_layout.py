@@ -5,8 +5,8 @@ import json
 import subprocess
 import sys
 
-from qad_pipeline.config import PROJECT_ROOT
-from qad_pipeline.code_deps import PACKAGES, imports_of, module_file
+from qad_pipeline.core.config import PROJECT_ROOT
+from qad_pipeline.core.code_deps import PACKAGES, imports_of, module_file
 
 MAX_LINES = 400
 # The command line is the one library module that starts flows (`qad-pipeline run`, `sweep`).
@@ -100,3 +100,36 @@ def test_the_readmes_test_command_is_what_ci_runs():
     readme = (PROJECT_ROOT / "README.md").read_text()
     block = readme.split("**Fresh machine, run the tests:**", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
     assert block.strip() in (PROJECT_ROOT / ".ci" / "run").read_text(), "README's test command is not what .ci/run runs"
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says which one it is: `stages` is the registry, never also a flow's helper."""
+    by_name: dict[str, list[str]] = {}
+    for name in project_modules():
+        short = name.rpartition(".")[2]
+        if project_modules()[name].name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(short, []).append(name)
+    assert {short: found for short, found in by_name.items() if len(found) > 1} == {}
+
+
+def test_the_library_is_grouped_by_domain_and_every_group_is_installed_and_documented():
+    """qad_pipeline/ holds the command line and one folder per domain; each folder says what it holds
+    (its __init__ docstring), is a package pyproject.toml installs, and docs/layout.md lists it with
+    its modules."""
+    import ast
+    import tomllib
+
+    library = PROJECT_ROOT / "qad_pipeline"
+    top = sorted(p.stem for p in library.glob("*.py"))
+    assert top == ["__init__", "__main__", "cli", "cli_checks", "cli_options"]
+    groups = sorted(p.parent.name for p in library.glob("*/__init__.py"))
+    installed = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = [str(p.parent.relative_to(PROJECT_ROOT)).replace("/", ".") for package in PACKAGES
+                for p in (PROJECT_ROOT / package).rglob("__init__.py")]
+    assert sorted(installed) == sorted(packages)
+    layout = (PROJECT_ROOT / "docs" / "layout.md").read_text()
+    for group in groups:
+        assert ast.get_docstring(ast.parse((library / group / "__init__.py").read_text())), group
+        assert f"{group}/" in layout, f"docs/layout.md does not list qad_pipeline/{group}/"
+        for module in (library / group).glob("*.py"):
+            assert module.name == "__init__.py" or module.stem in layout, f"docs/layout.md misses {group}/{module.name}"

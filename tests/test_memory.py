@@ -1,4 +1,4 @@
-"""The memory plan (qad_pipeline/memory.py): monotonic in its knobs, its JSON, its refusals, max_parallel.
+"""The memory plan (qad_pipeline/plan/memory.py): monotonic in its knobs, its JSON, its refusals, max_parallel.
 
 Fast: only the demo model's config is read (a copy without weights proves that none are).
 """
@@ -9,9 +9,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline import memory
+from qad_pipeline.plan import memory
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PARAMS = PROJECT_ROOT / "params.yaml"
 BIG = memory.Capacity("cpu", 1 << 50)  # the estimates alone, whatever this machine has free
@@ -176,7 +176,7 @@ def test_a_stage_peak_is_its_own_not_its_parents():
     import subprocess
     import sys
 
-    from flows.stages import wait_with_peak
+    from flows.stage_process import wait_with_peak
 
     parent = bytearray(600 * 2**20)  # resident: every page written
     parent[::4096] = b"x" * len(parent[::4096])

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from qad_pipeline.config import ConfigError, load_params
-from qad_pipeline.modeling import input_device, load_model, placement, resolve_device
+from qad_pipeline.core.config import ConfigError, load_params
+from qad_pipeline.core.modeling import input_device, load_model, placement, resolve_device
 
 
 def hardware(*overrides):
@@ -43,9 +43,9 @@ CPU_FORCED = """
 import torch
 torch.cuda.is_available = lambda: True          # a GPU host, as far as the code can tell
 import modelopt.torch.quantization              # the import hook sees CUDA: installs nothing
-from qad_pipeline.nvfp4_cpu import is_installed
-from qad_pipeline.config import load_params
-from qad_pipeline.modeling import prepare_device
+from qad_pipeline.nvfp4.nvfp4_cpu import is_installed
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.modeling import prepare_device
 assert not is_installed(), "CPU kernels installed on a GPU host before any model asked for the CPU"
 assert prepare_device(load_params(overrides={DEVICE}).hardware) == {EXPECT!r}
 print("installed" if is_installed() else "not installed")

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qad_pipeline import nvfp4_cpu
+from qad_pipeline.nvfp4 import nvfp4_cpu
 from tests.nvfp4_cases import BLOCK, KINDS, sample
 
 mtq = pytest.importorskip("modelopt.torch.quantization")

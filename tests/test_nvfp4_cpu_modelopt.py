@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from qad_pipeline import nvfp4_cpu
+from qad_pipeline.nvfp4 import nvfp4_cpu
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
 

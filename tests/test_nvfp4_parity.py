@@ -8,7 +8,7 @@
 * Injected errors (a wrong tie rule, a block scale one FP8 step off) are unexplained.
 * ``scripts/gpu_nvfp4_parity.py`` runs end to end with CPU stand-ins for modelopt's kernels.
 
-Triton's CPU interpreter is not used: see ``qad_pipeline/nvfp4_parity.py``'s docstring.
+Triton's CPU interpreter is not used: see ``qad_pipeline/nvfp4/nvfp4_parity.py``'s docstring.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
-from qad_pipeline import nvfp4_cpu
-from qad_pipeline import nvfp4_parity as parity
+from qad_pipeline.nvfp4 import nvfp4_cpu
+from qad_pipeline.nvfp4 import nvfp4_parity as parity
 from tests.nvfp4_cases import BLOCK, dynamic_cases, sample, static_cases, with_ties
 
 NVFP4QTensor = pytest.importorskip("modelopt.torch.quantization.qtensor").NVFP4QTensor
@@ -29,7 +29,7 @@ SMALL = (32, 128)  # the parity cases at 1/64 of the GPU script's size
 
 
 def _script():
-    from qad_pipeline.config import PROJECT_ROOT
+    from qad_pipeline.core.config import PROJECT_ROOT
 
     spec = importlib.util.spec_from_file_location(
         "gpu_nvfp4_parity", PROJECT_ROOT / "scripts" / "gpu_nvfp4_parity.py"

@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from qad_pipeline.artifacts import read_json
+from qad_pipeline.core.artifacts import read_json
 from qad_pipeline.cli import Stage, run_stage
-from qad_pipeline.config import load_params
-from qad_pipeline.layout import Layout
-from qad_pipeline.recipes import recipe_aliases
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.nvfp4.recipes import recipe_aliases
 from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
 from tasks.ptq import run_ptq

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 import yaml
 
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT
-from qad_pipeline.layout import OUT_ROOT_ENV, output_root
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT
+from qad_pipeline.core.layout import OUT_ROOT_ENV, output_root
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 

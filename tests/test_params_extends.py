@@ -1,4 +1,4 @@
-"""`extends:` in a params file (qad_pipeline/params_files.py): the profiles state only what differs
+"""`extends:` in a params file (qad_pipeline/core/params_files.py): the profiles state only what differs
 from params.yaml, and load as the full copies they replaced did."""
 
 import os
@@ -11,9 +11,9 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, Params, load_params, resolve
-from qad_pipeline.params_files import PATH_KEYS, inheritance_line, read_params_file
-from qad_pipeline.versioning import why_not_recorded, write_dvc_yaml
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, Params, load_params, resolve
+from qad_pipeline.core.params_files import PATH_KEYS, inheritance_line, read_params_file
+from qad_pipeline.platform.versioning import why_not_recorded, write_dvc_yaml
 
 PROFILES = PROJECT_ROOT / "profiles"
 LLAMA, QWEN = PROFILES / "llama-3.1-8b_8xh100.yaml", PROFILES / "qwen3-30b-a3b_8xb200.yaml"

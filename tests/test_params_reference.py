@@ -6,8 +6,8 @@ import re
 from typer.testing import CliRunner
 
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_PARAMS, Params
-from qad_pipeline.params_reference import REFERENCE, model_keys, read_reference, reference_markdown, undocumented
+from qad_pipeline.core.config import PROJECT_PARAMS, Params
+from qad_pipeline.core.params_reference import REFERENCE, model_keys, read_reference, reference_markdown, undocumented
 
 
 def test_every_key_of_the_model_has_a_description_in_params_yaml():

@@ -1,5 +1,5 @@
 """Each stage's Job on a work pool asks for the GPUs the stage needs, and a run whose stage asks a
-pool for more than its nodes have is refused in one line before any work (qad_pipeline/pools.py);
+pool for more than its nodes have is refused in one line before any work (qad_pipeline/plan/pools.py);
 the plan shows each Job. The pool's own limit against a real Prefect server: test_infra_kustomize."""
 
 from types import SimpleNamespace
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from flows import runtime
-from qad_pipeline import pools
-from qad_pipeline.config import PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.plan import pools
+from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 RECIPES, STAGES = "ptq-recipe/gpu", "gpu-stage/gpu"

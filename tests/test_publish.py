@@ -11,8 +11,8 @@ import pytest
 
 from flows import publish
 from qad_pipeline import tracking
-from qad_pipeline.config import PROJECT_PARAMS, load_params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.config import PROJECT_PARAMS, load_params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result
 from qad_pipeline.results.run import RunSummary
 from tests import samples
@@ -32,7 +32,7 @@ def test_artifact_keys_are_per_base_model_and_valid_prefect_keys():
 
 def test_pipeline_tasks_have_fixed_run_names(tmp_path):
     from flows import runtime
-    from qad_pipeline.stages import STAGES
+    from qad_pipeline.core.stages import STAGES
 
     job = runtime.Job(str(PROJECT_PARAMS), [], Layout(tmp_path))
     for stage in STAGES:

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import ConfigError, StageError, load_params
-from qad_pipeline.layout import Layout
-from qad_pipeline.distributed import World, check_processes, resume, save_checkpoint
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import ConfigError, StageError, load_params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.training.distributed import World, check_processes, resume, save_checkpoint
 from tasks.qad import CHECKPOINT, QADDiverged, enable_gradient_checkpointing, lr_lambda, run_qad
 
 
@@ -209,8 +209,8 @@ def test_the_student_checks_honour_trust_remote_code(demo_model_path, monkeypatc
 
 def test_the_plan_prices_qad_with_a_measured_mfu_where_there_is_one(monkeypatch):
     """costs.MEASURED_QAD_MFU replaces the assumed TRAIN_MFU for its GPU, and the plan says which it used."""
-    from qad_pipeline import costs
-    from qad_pipeline.memory_model import model_shape
+    from qad_pipeline.plan import costs
+    from qad_pipeline.plan.memory_model import model_shape
 
     params = load_params()
     shape, flops = model_shape(params.base_model), 989e12

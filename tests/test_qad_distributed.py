@@ -43,9 +43,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.layout import Layout
-from qad_pipeline.runlock import NODE_ENV, run_lock
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.platform.runlock import NODE_ENV, run_lock
 from tasks.qad import CHECKPOINT
 from tests.test_qad import stage_cmd
 

@@ -1,4 +1,4 @@
-"""Weights fake-quantized once per evaluation (`qad_pipeline.weight_folding`): the same logits bit
+"""Weights fake-quantized once per evaluation (`qad_pipeline.nvfp4.weight_folding`): the same logits bit
 for bit as the per-forward fake quantization, on the demo model (Mamba, attention with quantized
 KV cache, fused MoE experts) with two real recipes and on a Llama; the model comes out as it went
 in (weights and quantizer state, bit for bit), also after an error; a tied lm_head never writes its
@@ -11,8 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from qad_pipeline.config import PROJECT_ROOT, load_params
-from qad_pipeline.weight_folding import folded_weights
+from qad_pipeline.core.config import PROJECT_ROOT, load_params
+from qad_pipeline.nvfp4.weight_folding import folded_weights
 from tests.conftest import GOOD_RECIPES, TINY
 
 mtq = pytest.importorskip("modelopt.torch.quantization")
@@ -36,7 +36,7 @@ def _build_llama(folder):
 
 @pytest.fixture(scope="module")
 def demo_models():
-    from qad_pipeline.modeling import load_model
+    from qad_pipeline.core.modeling import load_model
 
     params = load_params(overrides=TINY)
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def demo_models():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """The ~tiny Llama (2 layers, hidden 256, vocab 8192), BF16 and quantized with the max recipe."""
-    from qad_pipeline.modeling import load_model
+    from qad_pipeline.core.modeling import load_model
 
     params = load_params(overrides=[*TINY, f"base_model.path={_build_llama(tmp_path_factory.mktemp('llama'))}"])
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_an_unquantized_model_is_left_alone(llama):
 
 
 def test_evaluate_model_runs_with_the_weights_folded(llama, monkeypatch):
-    from qad_pipeline import evaluation
+    from qad_pipeline.scoring import evaluation
 
     _, model, _ = llama
     quantizers = [q for _, _, q in _weight_quantizers(model)]

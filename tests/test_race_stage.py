@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from qad_pipeline import racing
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import load_params
-from qad_pipeline.layout import Layout
+from qad_pipeline.scoring import racing
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import read_result
-from qad_pipeline.results.race import RaceResult
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import STAGES
+from qad_pipeline.results.race_metrics import RaceResult
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.core.stages import STAGES
 from tasks import race
 from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
@@ -40,8 +40,8 @@ def raced(tmp_path_factory, demo_model_path):
 
 def test_ptq_scores_round_one_and_the_race_the_rest_as_a_full_evaluation_would(raced):
     params, layout = raced
-    from qad_pipeline.evaluation import evaluate_model
-    from qad_pipeline.modeling import load_model, load_tokenizer
+    from qad_pipeline.scoring.evaluation import evaluate_model
+    from qad_pipeline.core.modeling import load_model, load_tokenizer
 
     baseline_items = read_json(layout.items("baseline"))
     rounds = racing.round_ids(baseline_items, params.race.fractions, params.race.seed)

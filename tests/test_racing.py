@@ -1,4 +1,4 @@
-"""Racing's decisions (qad_pipeline/racing.py), replayed on full per-item results: on many random
+"""Racing's decisions (qad_pipeline/scoring/racing.py), replayed on full per-item results: on many random
 tables racing stops the candidate a full evaluation chooses less often than its stated error rate
 (1 - confidence), shown at 95 % confidence, and never where that candidate wins beyond the noise;
 the bootstrap it decides with measures the median recovery's spread as resampling the items does."""
@@ -10,10 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from qad_pipeline import racing
-from qad_pipeline.config import SelectionParams
-from qad_pipeline.recovery import median_draws, median_recovery, recoveries, score_recovery
-from qad_pipeline.results.selection import RecipeRow
+from qad_pipeline.scoring import racing
+from qad_pipeline.core.config import SelectionParams
+from qad_pipeline.scoring.recovery import median_draws, median_recovery, recoveries, score_recovery
+from qad_pipeline.results.selection_metrics import RecipeRow
 from tasks.selection import compression, select_recipe
 
 SELECTION = SelectionParams(policy="qad", band=(0.95, 0.99), ptq_final_min=0.99)
@@ -225,10 +225,10 @@ def test_selection_shows_a_stopped_candidate_but_never_chooses_it():
 
 
 def test_the_race_has_an_mlflow_run_only_in_a_run_that_races(tmp_path):
-    from qad_pipeline.config import load_params
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.config import load_params
+    from qad_pipeline.core.layout import Layout
     from qad_pipeline.results.base import write_result
-    from qad_pipeline.results.race import RaceStop
+    from qad_pipeline.results.race_metrics import RaceStop
     from qad_pipeline.tracking.children import read_children
     from tests.samples import race_result
 

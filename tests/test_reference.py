@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qad_pipeline.calibration_data import load_calibration, load_ppl_windows
-from qad_pipeline.config import load_params
-from qad_pipeline.modeling import load_model
-from qad_pipeline.reference import Reference, ReferenceWriter, logprob_chunks, score_windows
+from qad_pipeline.core.calibration_data import load_calibration, load_ppl_windows
+from qad_pipeline.core.config import load_params
+from qad_pipeline.core.modeling import load_model
+from qad_pipeline.scoring.reference import Reference, ReferenceWriter, logprob_chunks, score_windows
 from tests.conftest import GOOD_RECIPES
 
 AGGRESSIVE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"

@@ -1,4 +1,4 @@
-"""The recipe table, the Markdown report and the recovery plot (qad_pipeline/report.py, plots.py),
+"""The recipe table, the Markdown report and the recovery plot (qad_pipeline/reporting/report.py, plots.py),
 from metrics files shaped like the stages' (with the intervals, settings, aliases and weight
 error that selection records).
 
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from qad_pipeline.config import PROJECT_PARAMS, load_params
-from qad_pipeline.layout import Layout
-from qad_pipeline.report import SELECTED_MARK, read_summary, recipe_rows, report_markdown, run_description
+from qad_pipeline.core.config import PROJECT_PARAMS, load_params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.reporting.report import SELECTED_MARK, read_summary, recipe_rows, report_markdown, run_description
 from qad_pipeline.results.base import write_result
-from qad_pipeline.results.selection import RecipeFailed, RecipeRow
+from qad_pipeline.results.selection_metrics import RecipeFailed, RecipeRow
 from tests import samples
 
 TASKS = ("heldout_cloze", "perplexity")
@@ -114,7 +114,7 @@ def test_run_description_leads_with_the_decision(layout):
 def test_recovery_plot_draws_band_intervals_legend_and_separate_labels(layout):
     from matplotlib.patches import Rectangle
 
-    from qad_pipeline.run_plots import recovery_figure, recovery_vs_bpe
+    from qad_pipeline.reporting.run_plots import recovery_figure, recovery_vs_bpe
 
     fig = recovery_figure(layout, RECIPES)
     ax = fig.axes[0]
@@ -141,7 +141,7 @@ def test_recovery_plot_draws_band_intervals_legend_and_separate_labels(layout):
     ("none", [5.0, 6.0], False),
 ])
 def test_the_sweep_is_reported_exactly_when_the_run_swept(layout, selection_sweep, budgets, shown):
-    from qad_pipeline.results.sweep import BPESweep, Knee, SweepPoint
+    from qad_pipeline.results.sweep_metrics import BPESweep, Knee, SweepPoint
 
     point = SweepPoint(name="r@5.0", kind="sweep", budget=5.0, searched_effective_bits=5.0, effective_bpe=5.2,
                        median_recovery=0.97, median_recovery_ci=(0.95, 0.99), kl_divergence=0.02,

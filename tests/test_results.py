@@ -10,7 +10,7 @@ import pytest
 
 from qad_pipeline.results.base import ResultFileError, dump_result, read_result, write_result
 from qad_pipeline.results.scores import PTQResult
-from qad_pipeline.results.selection import RecipeResult, SelectionResult
+from qad_pipeline.results.selection_metrics import RecipeResult, SelectionResult
 from tests.samples import every_model, recipe_metrics, score, selection
 
 

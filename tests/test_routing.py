@@ -5,9 +5,9 @@ import pytest
 
 from flows.recipe import gpu_stage
 from flows.runtime import Job, route
-from qad_pipeline.config import PROJECT_PARAMS
-from qad_pipeline.layout import Layout
-from qad_pipeline.stages import GPU_STAGES, STAGES
+from qad_pipeline.core.config import PROJECT_PARAMS
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.stages import GPU_STAGES, STAGES
 
 RECIPES, STAGE_POOL = "ptq-recipe/gpu", "gpu-stage/gpu"
 CPU_STAGES = {"calibration", "bpe_sweep", "selection"}  # light: always a process on the run's own machine

@@ -2,8 +2,8 @@
 
 import pytest
 
-from qad_pipeline.config import SelectionParams
-from qad_pipeline.recovery import median_recovery, recoveries, task_recovery
+from qad_pipeline.core.config import SelectionParams
+from qad_pipeline.scoring.recovery import median_recovery, recoveries, task_recovery
 from tasks.selection import RecipeRow, select_recipe
 
 QAD = SelectionParams(policy="qad", band=(0.95, 0.99), ptq_final_min=0.99)
@@ -169,7 +169,7 @@ def test_no_selected_recipe_is_dominated():
 def test_paired_bootstrap_interval():
     import numpy as np
 
-    from qad_pipeline.recovery import recovery_intervals, score_recovery
+    from qad_pipeline.scoring.recovery import recovery_intervals, score_recovery
 
     rng = np.random.default_rng(1)
     base_acc = rng.integers(0, 2, 400).astype(float)
@@ -202,7 +202,7 @@ def test_paired_bootstrap_interval():
 def test_item_aggregation_is_read_from_the_values():
     import math
 
-    from qad_pipeline.recovery import item_aggregation
+    from qad_pipeline.scoring.recovery import item_aggregation
 
     assert item_aggregation([1.0, 0.0, 1.0], 2 / 3) == "mean"
     assert item_aggregation([-1.0, -3.0], math.exp(2.0)) == "perplexity"
@@ -213,7 +213,7 @@ def test_items_of_lm_eval_samples_pair_by_doc_and_average_to_the_score():
     import numpy as np
     from lm_eval.api.metrics import brier_score
 
-    from qad_pipeline.evaluation import task_items
+    from qad_pipeline.scoring.evaluation import task_items
 
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(4), size=30)

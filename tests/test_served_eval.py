@@ -3,10 +3,10 @@ them) with vLLM's side stood in for; the real vLLM runs in tests/test_serving.py
 
 import pytest
 
-from qad_pipeline import served_eval
-from qad_pipeline.config import ConfigError, load_params
-from qad_pipeline.layout import Layout
-from qad_pipeline.report import read_summary, report_text
+from qad_pipeline.scoring import served_scores
+from qad_pipeline.core.config import ConfigError, load_params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.reporting.report import read_summary, report_text
 from qad_pipeline.results.base import write_result
 from qad_pipeline.tracking.children import ChildRun, served_eval_run
 from tasks import served_eval as stage
@@ -48,7 +48,7 @@ def test_the_served_recovery_is_the_export_over_the_served_bf16_beside_the_in_me
         scored.append(folder)
         return export if folder == layout.export else bf16
 
-    monkeypatch.setattr(served_eval, "vllm_evaluate", fake)
+    monkeypatch.setattr(served_scores, "vllm_evaluate", fake)
     result = stage.run_served_eval(params, layout, log=lambda *_: None)
     assert result.ran and scored[1] == layout.export  # the BF16 base model first, then the export itself
     assert result.tasks["heldout_cloze"].recovery == pytest.approx(0.72 / 0.8)
@@ -72,7 +72,7 @@ def test_an_export_vllm_cannot_run_here_keeps_the_in_memory_recovery_and_says_wh
     config_only = "serving check passed: level config, vLLM 0.32.0, ...; no full check: NemotronH is not supported on CPU"
     write_result(layout.export_metrics, samples.export_metrics(layout.export, serving_check={
         "level": "config", "summary": config_only}))
-    monkeypatch.setattr(served_eval, "vllm_evaluate", lambda *a, **k: pytest.fail("vLLM must not be asked"))
+    monkeypatch.setattr(served_scores, "vllm_evaluate", lambda *a, **k: pytest.fail("vLLM must not be asked"))
     result = stage.run_served_eval(params, layout)
     assert not result.ran and result.why_not.endswith(config_only) and result.median_recovery is None
     assert stage.main(params, layout).startswith("served eval: not run, recovery stays the in-memory one")
@@ -80,7 +80,7 @@ def test_an_export_vllm_cannot_run_here_keeps_the_in_memory_recovery_and_says_wh
 
 
 def test_the_vllm_backend_is_refused_up_front_without_an_export_or_without_lm_eval_beside_vllm(tmp_path, monkeypatch):
-    from qad_pipeline import vllm_setup
+    from qad_pipeline.checks import vllm_setup
 
     with pytest.raises(ConfigError, match="eval.backend vllm scores the exported checkpoint, and export.source is none"):
         vllm_setup.check_served_eval_env(load_params(overrides=["eval.backend=vllm", "export.source=none"]))

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from qad_pipeline import serving, serving_reference, serving_verdict, vllm_setup
-from qad_pipeline.config import load_params
-from qad_pipeline.export_checks import read_tensors
-from qad_pipeline.failure_catalog import nibbles_swapped
-from qad_pipeline.layout import Layout
+from qad_pipeline.checks import serving, serving_reference, serving_verdict, vllm_setup
+from qad_pipeline.core.config import load_params
+from qad_pipeline.checks.export_checks import read_tensors
+from qad_pipeline.checks.failure_catalog import nibbles_swapped
+from qad_pipeline.core.layout import Layout
 from tasks.baseline import run_baseline
 from tasks.calibration import build_calibration
 from tasks.export import run_export
@@ -187,7 +187,7 @@ def test_printed_vllm_command_is_what_vllm_runs(real_export):
 def test_served_eval_scores_the_real_export_and_bf16_through_lm_evals_vllm_model(real_export):
     """eval.backend vllm: the served_eval stage scores the exported checkpoint itself and the BF16
     model through lm-eval's vLLM model, on the items and windows the in-memory evaluation scored."""
-    from qad_pipeline.artifacts import read_json
+    from qad_pipeline.core.artifacts import read_json
     from qad_pipeline.results.base import read_result
     from qad_pipeline.results.scores import BaselineMetrics
     from tasks.selection import run_selection

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from qad_pipeline import serving_reference, serving_verdict
-from qad_pipeline.serving_reference import CLOSER_SHARE, KL_FLOOR, NOISE_FACTOR, QUANTIZATION_SHARE
+from qad_pipeline.checks import serving_reference, serving_verdict
+from qad_pipeline.checks.serving_reference import CLOSER_SHARE, KL_FLOOR, NOISE_FACTOR, QUANTIZATION_SHARE
 
 PROMPTS, POSITIONS, VOCAB = 2, 25, 64
 

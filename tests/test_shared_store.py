@@ -12,8 +12,8 @@ import time
 import pytest
 
 from qad_pipeline import tracking
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT
 from tests.conftest import GOOD_RECIPES, TINY
 from tests.devstack import LocalMLflow, LocalPrefect
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import qad_pipeline  # noqa: F401  (CPU NVFP4 kernels)
-from qad_pipeline.sizes import TensorFormat, quantizer_format, size_report, tensor_bits
+from qad_pipeline.nvfp4.sizes import TensorFormat, quantizer_format, size_report, tensor_bits
 
 NVFP4 = TensorFormat("nvfp4", 4, quantized=True, block_size=16)
 FP8 = TensorFormat("fp8", 8, quantized=True)

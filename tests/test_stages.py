@@ -1,4 +1,4 @@
-"""The stage registry (qad_pipeline/stages.py): dvc.yaml is what it generates, and each stage's
+"""The stage registry (qad_pipeline/core/stages.py): dvc.yaml is what it generates, and each stage's
 code dependencies are what its modules import."""
 
 import ast
@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from qad_pipeline.cli import Stage
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
-from qad_pipeline.code_deps import PACKAGES, code_modules, module_file
-from qad_pipeline.stages import CACHED_TEACHER, EXPORTING, RACING, SERVED, STAGES, SWEEPING, planned
-from qad_pipeline.versioning import dvc_yaml, stage_names
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
+from qad_pipeline.core.code_deps import PACKAGES, code_modules, module_file
+from qad_pipeline.core.stages import CACHED_TEACHER, EXPORTING, RACING, SERVED, STAGES, SWEEPING, planned
+from qad_pipeline.platform.versioning import dvc_yaml, stage_names
 
 
 def test_dvc_yaml_is_generated_from_the_registry():
@@ -44,7 +44,7 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
     ptq = stages["ptq"]["do"]
     assert stages["ptq"]["foreach"] == "${ptq.recipes}" and ptq["cmd"] == "qad-pipeline stage ptq ${item} --out-root ."
     # what tasks/ptq.py imports, directly or not, is a dependency: an edit to load_model re-runs PTQ
-    assert {"qad_pipeline/modeling.py", "qad_pipeline/calibration_data.py", "qad_pipeline/nvfp4_cpu.py"} <= set(ptq["deps"])
+    assert {"qad_pipeline/core/modeling.py", "qad_pipeline/core/calibration_data.py", "qad_pipeline/nvfp4/nvfp4_cpu.py"} <= set(ptq["deps"])
     # and only that: the calibration stage's own module, or QAD's, is not
     assert {"tasks/calibration.py", "tasks/baseline.py", "tasks/qad.py"}.isdisjoint(ptq["deps"])
     assert "qad" not in ptq["params"]
@@ -57,31 +57,31 @@ def test_dvc_yaml_declares_every_stage_with_its_code_and_outputs():
 
 
 # The registry's modules, where stages are named; tasks/ (one module per stage) is not scanned.
-REGISTRY = {"qad_pipeline/stages.py", "qad_pipeline/stage_types.py", "qad_pipeline/code_deps.py"}
+REGISTRY = {"qad_pipeline/core/stages.py", "qad_pipeline/core/stage_types.py", "qad_pipeline/core/code_deps.py"}
 # Where a string equal to a stage's name means something else: file -> (the values, why).
 NOT_A_STAGE = {
-    "qad_pipeline/layout.py": (set(STAGES) - {"selection"}, "artifact folder names (`artifacts/<stage>/`), paths on "
+    "qad_pipeline/core/layout.py": (set(STAGES) - {"selection"}, "artifact folder names (`artifacts/<stage>/`), paths on "
                                "disk as dvc.yaml's outputs spell them; the registry imports Layout, so Layout cannot "
                                "read the registry without a cycle"),
-    "qad_pipeline/config.py": ({"qad"}, "a param value: selection.policy and export.source `qad` (config.py is not "
+    "qad_pipeline/core/config.py": ({"qad"}, "a param value: selection.policy and export.source `qad` (config.py is not "
                                "this module's to edit)"),
-    "qad_pipeline/export_verify.py": ({"qad"}, "a param value: export.source `qad`, the student"),
+    "qad_pipeline/checks/export_verify.py": ({"qad"}, "a param value: export.source `qad`, the student"),
     "qad_pipeline/tracking/registry.py": ({"qad"}, "a param value: the export's source `qad`, the student"),
-    "qad_pipeline/calibration_data.py": ({"calibration"}, "the dataset folder inside the calibration artifact"),
+    "qad_pipeline/core/calibration_data.py": ({"calibration"}, "the dataset folder inside the calibration artifact"),
     "qad_pipeline/tracking/datasets.py": ({"calibration"}, "the MLflow dataset's name and context"),
     "qad_pipeline/cli.py": ({"selection", "sweep"}, "keys of the flows' results (RunSummary.selection, the sweep's)"),
-    "flows/sweep.py": ({"sweep"}, "a key of the sweep flow's result"),
-    "qad_pipeline/tracking/sweep.py": ({"sweep"}, "the sweep's parent run kind, an MLflow tag value"),
-    "qad_pipeline/results/sweep.py": ({"sweep"}, "a BPE point's kind (a searched point, not a fixed recipe)"),
-    "qad_pipeline/report.py": ({"export"}, "the served eval's model key (`bf16`, `export`)"),
-    "qad_pipeline/memory_model.py": ({"export"}, "a memory phase's name, as the plan prints it"),
-    "qad_pipeline/dvc_remote.py": ({"qad"}, "the DVC remote's name"),
-    "qad_pipeline/trainjob.py": ({"qad"}, "the Kubernetes namespace"),
+    "flows/sweep_flow.py": ({"sweep"}, "a key of the sweep flow's result"),
+    "qad_pipeline/tracking/sweep_runs.py": ({"sweep"}, "the sweep's parent run kind, an MLflow tag value"),
+    "qad_pipeline/results/sweep_metrics.py": ({"sweep"}, "a BPE point's kind (a searched point, not a fixed recipe)"),
+    "qad_pipeline/reporting/report.py": ({"export"}, "the served eval's model key (`bf16`, `export`)"),
+    "qad_pipeline/plan/memory_model.py": ({"export"}, "a memory phase's name, as the plan prints it"),
+    "qad_pipeline/platform/dvc_remote.py": ({"qad"}, "the DVC remote's name"),
+    "qad_pipeline/training/trainjob.py": ({"qad"}, "the Kubernetes namespace"),
 }
 
 
 def test_no_module_outside_the_registry_and_the_tasks_names_a_stage():
-    """A stage is spelt in qad_pipeline/stages.py (and its own tasks/ module) only: everything else
+    """A stage is spelt in qad_pipeline/core/stages.py (and its own tasks/ module) only: everything else
     reads the registry (a field, a gate, a role such as `stages.EXPORT`), so adding a stage or a gate
     touches no other module."""
     found, used = [], set()
@@ -101,10 +101,10 @@ def test_no_module_outside_the_registry_and_the_tasks_names_a_stage():
 
 
 def test_code_modules_follow_function_local_imports():
-    # tasks/qad.py imports qad_pipeline.runlock inside a function, and the package's __init__
+    # tasks/qad.py imports qad_pipeline.platform.runlock inside a function, and the package's __init__
     # installs the CPU kernels from a function too
     modules = code_modules("tasks.qad")
-    assert {"qad_pipeline.runlock", "qad_pipeline.nvfp4_cpu", "qad_pipeline", "tasks"} <= set(modules)
+    assert {"qad_pipeline.platform.runlock", "qad_pipeline.nvfp4.nvfp4_cpu", "qad_pipeline", "tasks"} <= set(modules)
     assert "qad_pipeline.cli" not in modules and "flows.pipeline" not in modules
     assert module_file("tasks.qad") == PROJECT_ROOT / "tasks" / "qad.py"
     assert module_file("flows") == PROJECT_ROOT / "flows" / "__init__.py"
@@ -134,8 +134,8 @@ def test_a_killed_stage_names_its_signal_and_oom_only_when_the_kernel_counted_on
     import signal
     from pathlib import PurePath
 
-    from qad_pipeline import processes
-    from qad_pipeline.processes import exit_reason, oom_kills
+    from qad_pipeline.platform import processes
+    from qad_pipeline.platform.processes import exit_reason, oom_kills
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     child.send_signal(signal.SIGTERM)
@@ -167,8 +167,8 @@ def test_what_follows_selection_depends_on_the_policy_and_the_export_source():
 
 
 def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
-    from qad_pipeline.config import ConfigError
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.config import ConfigError
+    from qad_pipeline.core.layout import Layout
     from qad_pipeline.results.base import write_result
     from tasks.export import export_source
     from tests import samples
@@ -189,26 +189,26 @@ def test_export_source_auto_is_the_student_or_the_selected_recipe(tmp_path):
 def test_a_schema_is_a_code_dependency_only_of_the_stages_that_read_or_write_its_file():
     """A field added to the export's file re-runs the export, not calibration, the baseline or PTQ."""
     users = {module: {name for name, s in STAGES.items() if module in code_modules(s.module)}
-             for module in ("qad_pipeline.results.export", "qad_pipeline.results.data", "qad_pipeline.results.qad")}
+             for module in ("qad_pipeline.results.export_metrics", "qad_pipeline.results.data", "qad_pipeline.results.qad_metrics")}
     # the served eval reads the export's file (its serving check) and the final eval's (the in-memory recovery)
-    assert users["qad_pipeline.results.export"] == {"export", "served_eval"}
+    assert users["qad_pipeline.results.export_metrics"] == {"export", "served_eval"}
     # QAD and the teacher cache read the calibration manifest (for the training windows)
     assert users["qad_pipeline.results.data"] == {"calibration", "qad", "teacher_cache"}
-    assert users["qad_pipeline.results.qad"] == {"qad", "final_eval", "served_eval"}
+    assert users["qad_pipeline.results.qad_metrics"] == {"qad", "final_eval", "served_eval"}
 
 
 def _model_card():
     """A stage added to the registry: one `Stage(...)` whose every reference is the one task module
     tests/stage_model_card.py (the library's own gate, GPU claim and memory model reused)."""
-    from qad_pipeline.stage_types import Output
-    from qad_pipeline.stage_types import Stage as Declared
+    from qad_pipeline.core.stage_types import Output
+    from qad_pipeline.core.stage_types import Stage as Declared
 
     card = "tests.stage_model_card"
     return Declared("model_card", f"{card}:main", after=("export",), params=("export",),
                     inputs=("metrics/export.json",), outputs=(Output("metrics/model_card.json", "metrics"),),
-                    when=(EXPORTING,), gpus="qad_pipeline.gpus:WHOLE_MODEL",
+                    when=(EXPORTING,), gpus="qad_pipeline.plan.gpus:WHOLE_MODEL",
                     result="metrics/model_card.json", schema=f"{card}:ModelCard", mlflow=f"{card}:card_run",
-                    report=f"{card}:report", memory="qad_pipeline.memory_model:export_phases",
+                    report=f"{card}:report", memory="qad_pipeline.plan.memory_model:export_phases",
                     knobs=("eval.batch_size",), cost=f"{card}:COST", eval_cost=f"{card}:eval_cost")
 
 
@@ -217,9 +217,10 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
     evaluation, GPUs), the report and MLflow need (docs/architecture.md, "Adding a stage"); its gate
     (`when`) takes it out of a run whose params say no."""
     from flows import runtime
-    from qad_pipeline import code_deps, memory
-    from qad_pipeline.layout import Layout
-    from qad_pipeline.report import read_summary, report_text
+    from qad_pipeline.core import code_deps
+    from qad_pipeline.plan import memory
+    from qad_pipeline.core.layout import Layout
+    from qad_pipeline.reporting.report import read_summary, report_text
     from qad_pipeline.results.base import write_result
     from qad_pipeline.tracking.children import read_children
     from tests import samples
@@ -230,7 +231,7 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
     monkeypatch.setattr(code_deps, "PACKAGES", (*PACKAGES, "tests"))
     card = yaml.safe_load(dvc_yaml())["stages"]["model_card"]
     assert card["cmd"] == "qad-pipeline stage model_card --out-root ." and "metrics/export.json" in card["deps"]
-    assert "tests/stage_model_card.py" in card["deps"] and "qad_pipeline/costs.py" in card["deps"]
+    assert "tests/stage_model_card.py" in card["deps"] and "qad_pipeline/plan/costs.py" in card["deps"]
     assert card["params"] == ["export"] and card["metrics"] == ["metrics/model_card.json"]
     params = load_params(PROJECT_PARAMS)
     runs = planned(params)
@@ -269,8 +270,8 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
 
 
 def test_a_cost_asked_of_an_unknown_stage_or_of_one_without_a_cost_model_is_an_error(monkeypatch):
-    from qad_pipeline import costs, eval_costs
-    from qad_pipeline.memory_model import model_shape
+    from qad_pipeline.plan import costs, eval_costs
+    from qad_pipeline.plan.memory_model import model_shape
 
     params = load_params(PROJECT_PARAMS)
     shape = model_shape(params.base_model)
@@ -286,8 +287,8 @@ def test_a_cost_asked_of_an_unknown_stage_or_of_one_without_a_cost_model_is_an_e
 
 def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
     """`Stage.result` and `Stage.schema` name the same file and model the stages write (tests/samples.py)."""
-    from qad_pipeline.layout import Layout
-    from qad_pipeline.stage_types import load_reference
+    from qad_pipeline.core.layout import Layout
+    from qad_pipeline.core.stage_types import load_reference
     from tests.samples import result_files
 
     written = dict(result_files(Layout(tmp_path), []))
@@ -299,8 +300,8 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
         assert s.mlflow and callable(load_reference(s.mlflow))
     for s in STAGES.values():  # every stage has a memory model
         assert callable(load_reference(s.memory)) or isinstance(load_reference(s.memory), int), s.name
-    from qad_pipeline.costs import CostModel
-    from qad_pipeline.gpus import GpuClaim
+    from qad_pipeline.plan.costs import CostModel
+    from qad_pipeline.plan.gpus import GpuClaim
 
     for s in STAGES.values():  # and a cost model; a GPU claim and an evaluation's cost where it declares one
         assert isinstance(s.load("cost"), CostModel), s.name
@@ -310,8 +311,8 @@ def test_each_declared_result_is_a_file_of_the_run_with_its_model(tmp_path):
 
 def test_the_race_runs_between_the_recipes_and_selection_only_when_racing(monkeypatch, tmp_path):
     from flows import runtime
-    from qad_pipeline import memory
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.plan import memory
+    from qad_pipeline.core.layout import Layout
 
     names = [s.name for s, _ in planned(load_params(PROJECT_PARAMS))]
     assert "race" not in names
@@ -337,9 +338,9 @@ def test_every_stage_that_loads_a_model_or_writes_a_checkpoint_is_cached_with_wh
     cached stage names the outputs its cached result needs, and its fingerprints resolve to the
     run's files, `{selected}` to the selected candidate's folder."""
     from flows.runtime import _declared_path, stage_cache_key
-    from qad_pipeline.layout import Layout
+    from qad_pipeline.core.layout import Layout
     from qad_pipeline.results.base import write_result
-    from qad_pipeline.results.selection import SelectionResult
+    from qad_pipeline.results.selection_metrics import SelectionResult
 
     assert {n for n, s in STAGES.items() if not s.cached} == {"bpe_sweep", "race", "selection"}
     assert all(s.done for s in STAGES.values() if s.cached)

@@ -1,4 +1,4 @@
-"""Planning for a node that is not this one (`qad-pipeline plan --target`, qad_pipeline/targets.py),
+"""Planning for a node that is not this one (`qad-pipeline plan --target`, qad_pipeline/plan/targets.py),
 on the real models' configs shipped in profiles/configs/ (no weights, no hub access)."""
 
 import json
@@ -8,10 +8,10 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline import memory, targets
+from qad_pipeline.plan import memory, targets
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_ROOT, BaseModelParams, ConfigError, load_params
-from qad_pipeline.memory_model import model_shape
+from qad_pipeline.core.config import PROJECT_ROOT, BaseModelParams, ConfigError, load_params
+from qad_pipeline.plan.memory_model import model_shape
 
 PROFILE_8B = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 
@@ -96,7 +96,7 @@ def test_a_deployment_run_is_checked_against_its_target_before_any_work(tmp_path
     """The run's own machine (a CPU-only control node) says nothing about its GPU workers;
     hardware.target does: QAD on more GPUs than the node has is refused up front."""
     from flows import runtime
-    from qad_pipeline import pools
+    from qad_pipeline.plan import pools
 
     # the pools' own limits come from Prefect's server (tests/test_pools.py); here, process pools without one
     monkeypatch.setattr(pools, "server_limits", lambda deployments: dict.fromkeys(deployments))

@@ -1,4 +1,4 @@
-"""The cached teacher (qad_pipeline/teacher_cache.py): written from the demo model over synthetic
+"""The cached teacher (qad_pipeline/training/cached_teacher.py): written from the demo model over synthetic
 training windows, read back as QAD reads it, against Model Optimizer's live KD loss.
 
 Measured on the demo (4,096-token vocabulary, 8 random-token windows x 32 positions, temperature
@@ -16,12 +16,12 @@ import pytest
 import torch
 from modelopt.torch.distill.losses import LogitsDistillationLoss
 
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
-from qad_pipeline.modeling import load_model
-from qad_pipeline.reference import kl_estimate, reference_terms
-from qad_pipeline.stages import planned
-from qad_pipeline.teacher_cache import TeacherCache, used_windows, write_cache
-from qad_pipeline.training_text import batch_indices
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.core.modeling import load_model
+from qad_pipeline.scoring.reference import kl_estimate, reference_terms
+from qad_pipeline.core.stages import planned
+from qad_pipeline.training.cached_teacher import TeacherCache, used_windows, write_cache
+from qad_pipeline.training.training_text import batch_indices
 
 WINDOWS, SEQ, T = 8, 32, 2.0
 

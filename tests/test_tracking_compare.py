@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qad_pipeline import tracking
-from qad_pipeline.config import ConfigError
+from qad_pipeline.core.config import ConfigError
 from tests.tracking_fakes import BROKEN, GOOD, logged_store
 
 

@@ -1,4 +1,4 @@
-"""Secrets never reach the tracking store (qad_pipeline/redaction.py as tracking uses it)."""
+"""Secrets never reach the tracking store (qad_pipeline/core/redaction.py as tracking uses it)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_redact_rules(monkeypatch):
 
 def test_the_shells_working_directory_is_no_password(monkeypatch, tmp_path):
     """$PWD is named like a password (pwd); a path under it in a param is neither refused nor scrubbed."""
-    from qad_pipeline.config import PROJECT_PARAMS, load_params
+    from qad_pipeline.core.config import PROJECT_PARAMS, load_params
 
     monkeypatch.setenv("PWD", str(tmp_path))
     monkeypatch.setenv("DB_PWD", "hunter2-secret")

@@ -12,12 +12,12 @@ import pytest
 from mlflow import MlflowClient
 
 from qad_pipeline import tracking
-from qad_pipeline.artifacts import write_json
-from qad_pipeline.config import ConfigError
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import write_json
+from qad_pipeline.core.config import ConfigError
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import read_result, write_result
-from qad_pipeline.results.export import ExportMetrics
-from qad_pipeline.results.selection import RecipeRow
+from qad_pipeline.results.export_metrics import ExportMetrics
+from qad_pipeline.results.selection_metrics import RecipeRow
 from qad_pipeline.tracking.children import ptq_child
 from tests import samples
 from tests.tracking_fakes import (AWS_SECRET, BROKEN, GOOD, HF_TOKEN, RECIPES, SPANS, build_layout, children, fp,

@@ -16,8 +16,8 @@ import pytest
 from mlflow import MlflowClient
 
 from qad_pipeline import tracking
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import ConfigError
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import ConfigError
 from qad_pipeline.tracking.stale import process_tags
 from tests.http_stub import serve
 from tests.tracking_fakes import BROKEN, GOOD, build_layout, children, logged_store, make_params
@@ -37,7 +37,7 @@ def test_tracking_uri_default_is_sqlite_in_root_and_env_wins(tmp_path, monkeypat
 
 
 def test_the_commit_comes_from_git_else_from_the_images_build_argument(tmp_path, monkeypatch):
-    from qad_pipeline import config
+    from qad_pipeline.core import config
     from qad_pipeline.tracking.store import git_commit
 
     assert len(git_commit().removesuffix("-dirty")) == 40  # this checkout

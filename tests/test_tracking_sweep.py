@@ -1,4 +1,4 @@
-"""The BPE sweep in MLflow (qad_pipeline/tracking/sweep.py): its own kind of parent run, a child
+"""The BPE sweep in MLflow (qad_pipeline/tracking/sweep_runs.py): its own kind of parent run, a child
 per budget, and no run left RUNNING or taken for a pipeline run when logging fails part-way."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from mlflow import MlflowClient
 
 from qad_pipeline import tracking
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, load_params
-from qad_pipeline.layout import Layout
-from qad_pipeline.stages import with_sweep
-from qad_pipeline.tracking import sweep as tracking_sweep
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.stages import with_sweep
+from qad_pipeline.tracking import sweep_runs as tracking_sweep
 from qad_pipeline.tracking import write as tracking_write
 from tests.tracking_fakes import BROKEN, GOOD, children, logged_run_files, write_sweep
 

@@ -1,4 +1,4 @@
-"""The multi-node QAD job (qad_pipeline/trainjob.py) and torchrun's rendezvous options, offline.
+"""The multi-node QAD job (qad_pipeline/training/trainjob.py) and torchrun's rendezvous options, offline.
 
 The TrainJob is validated against Kubeflow Trainer's own API models (the `kubeflow-trainer-api`
 package, v1alpha1): it must parse, and parse back to itself, so a misspelt or misplaced field
@@ -12,11 +12,11 @@ from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 from typer.testing import CliRunner
 
 from qad_pipeline.cli import app
-from qad_pipeline.config import PROJECT_PARAMS, ConfigError, StageError, load_params
-from qad_pipeline.distributed import rendezvous
-from qad_pipeline.runlock import LOCK_NAME, NODE_ENV
-from qad_pipeline.stages import STAGES
-from qad_pipeline.trainjob import Cluster, cluster_from_env, run_trainjob, trainjob_manifest
+from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, StageError, load_params
+from qad_pipeline.training.distributed import rendezvous
+from qad_pipeline.platform.runlock import LOCK_NAME, NODE_ENV
+from qad_pipeline.core.stages import STAGES
+from qad_pipeline.training.trainjob import Cluster, cluster_from_env, run_trainjob, trainjob_manifest
 
 TOKEN = "0123456789abcdef" * 2
 NODES = ["qad.num_nodes=2", "qad.num_gpus=4", "qad.batch_size=8", "qad.sharding=fsdp", "qad.offload=true"]

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from flows.watch_sources import WatchedSource, check_sources, legacy_sources, run_parameters
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, load_params
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, load_params
 
 
 def write_profile(path: Path, **changes) -> Path:

@@ -18,7 +18,7 @@ import pytest
 
 from flows import watcher
 from flows.watcher import WatcherError, load_state, watch_base_checkpoints
-from qad_pipeline.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
 from tests.test_watch_sources import write_profile
 from tests.test_watcher_folders import expected_sha256, write_checkpoint
 

@@ -92,8 +92,8 @@ def test_an_unchanged_folder_is_not_read_again(tmp_path, monkeypatch):
 
 def test_identity_is_the_hash_the_pipeline_records(tmp_path):
     """The watcher's identity equals the baseline's base_model.sha256, so runs and lineage agree."""
-    from qad_pipeline.config import BaseModelParams
-    from qad_pipeline.modeling import checkpoint_identity
+    from qad_pipeline.core.config import BaseModelParams
+    from qad_pipeline.core.modeling import checkpoint_identity
 
     folder = write_checkpoint(tmp_path / "incoming" / "m")
     (folder / "a.txt").write_text("sorts between 'a' dirs and files")

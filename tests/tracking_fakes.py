@@ -21,13 +21,13 @@ import pytest
 from mlflow import MlflowClient
 
 from qad_pipeline import tracking
-from qad_pipeline.artifacts import read_json, write_json
-from qad_pipeline.config import PROJECT_PARAMS, load_params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import read_json, write_json
+from qad_pipeline.core.config import PROJECT_PARAMS, load_params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import read_result, write_result
 from qad_pipeline.results.scores import AutoQuantizeLayer, AutoQuantizeResult, BaselineMetrics, TaskScore
-from qad_pipeline.results.selection import RecipeMetrics, SelectionResult
-from qad_pipeline.results.sweep import BPESweep, Knee, SweepPoint
+from qad_pipeline.results.selection_metrics import RecipeMetrics, SelectionResult
+from qad_pipeline.results.sweep_metrics import BPESweep, Knee, SweepPoint
 from tasks.final_eval import comparison_table
 from tasks.selection import run_selection
 from tests import samples
@@ -62,7 +62,7 @@ def touch(path: Path, t: float) -> None:
     os.utime(path, (t, t))
 
 
-# Each stage process's span as the flow records it (flows/stages.py): (start, end) after t0.
+# Each stage process's span as the flow records it (flows/stage_process.py): (start, end) after t0.
 SPANS = {"calibration": (5, 10.5), "baseline": (15, 61), "selection": (99.5, 100.2), "qad": (150, 200.5),
          "final_eval": (210, 250.5), "export": (260, 300.5)}
 

@@ -1,7 +1,7 @@
 """The stages' JSON files as pydantic models, one per file (the comments name each file), in one
 module per stage that writes them, so a stage's code dependencies hold only the schemas it reads
 or writes: a field added to the export's file re-runs the export, not calibration or PTQ.
-This package imports nothing: import the module (`from qad_pipeline.results.export import ...`).
+This package imports nothing: import the module (`from qad_pipeline.results.export_metrics import ...`).
 
 A stage writes its file with `write_result(path, model)`; its readers read it with
 `read_result(path, Model)` and use attributes. Each file's top level, and every nested object that

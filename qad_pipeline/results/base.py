@@ -8,8 +8,8 @@ from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from qad_pipeline.artifacts import read_json, write_json
-from qad_pipeline.config import ConfigError
+from qad_pipeline.core.artifacts import read_json, write_json
+from qad_pipeline.core.config import ConfigError
 
 
 T = TypeVar("T")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from qad_pipeline.results.base import Strict
-from qad_pipeline.results.export import ExportMetrics
-from qad_pipeline.results.qad import QADMetrics
-from qad_pipeline.results.selection import SelectionResult
+from qad_pipeline.results.export_metrics import ExportMetrics
+from qad_pipeline.results.qad_metrics import QADMetrics
+from qad_pipeline.results.selection_metrics import SelectionResult
 from qad_pipeline.results.served import ServedEval
-from qad_pipeline.results.sweep import BPESweep
+from qad_pipeline.results.sweep_metrics import BPESweep
 
 
 class TrackingRecord(Strict):  # artifacts/mlflow_run.json (flows/pipeline.py, qad-pipeline log-mlflow)

@@ -11,20 +11,20 @@ from qad_pipeline.results.base import Strict
 
 
 class TaskScore(Strict):
-    """One task's score (qad_pipeline/evaluation.py: primary_score); `recovery` and its interval once it is
-    compared with BF16 (qad_pipeline/recovery.py: score_recovery, which runs on dumped dicts)."""
+    """One task's score (qad_pipeline/scoring/evaluation.py: primary_score); `recovery` and its interval once it is
+    compared with BF16 (qad_pipeline/scoring/recovery.py: score_recovery, which runs on dumped dicts)."""
 
     metric: str
     filter: str | None = None  # the lm-eval filter whose value counts (GSM8K: strict-match or flexible-extract)
     value: float
     higher_is_better: bool
     all: dict[str, float] | None = None  # every numeric metric lm-eval returned, as "metric,filter" (perplexity: none)
-    subtasks: dict[str, float] | None = None  # a group's: each leaf's value of the metric (qad_pipeline/eval_groups.py)
+    subtasks: dict[str, float] | None = None  # a group's: each leaf's value of the metric (qad_pipeline/scoring/eval_groups.py)
     recovery: float | None = None  # not for a task whose BF16 score is 0
     recovery_ci: tuple[float, float] | None = None
 
 
-class ModelIdentity(Strict):  # qad_pipeline/modeling.py: checkpoint_identity
+class ModelIdentity(Strict):  # qad_pipeline/core/modeling.py: checkpoint_identity
     path: str
     revision: str | None
     sha256: str | None = None  # a local folder's; a hub id has none
@@ -58,7 +58,7 @@ class RecipeSettings(Strict):
     kv_cache: str
 
 
-class LayerwiseCalibration(Strict):  # a recipe calibrated layer by layer (tasks/ptq.py, qad_pipeline/layerwise.py)
+class LayerwiseCalibration(Strict):  # a recipe calibrated layer by layer (tasks/ptq.py, qad_pipeline/nvfp4/layerwise.py)
     layers: int  # the decoder layers Model Optimizer calibrated one at a time
     resumed_from_layer: int  # the first layer this run calibrated: 0, or where a killed run's checkpoints ended
     checkpoints: bool  # per-layer checkpoints were kept (the stage's; a direct run_ptq call may keep none)

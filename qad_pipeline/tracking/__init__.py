@@ -28,7 +28,7 @@ so secrets (`HF_TOKEN`, `api_key`, URL credentials) never reach the tracking sto
 The default store is a SQLite file in the output root (`sqlite:///<root>/mlflow.db`, no server to
 start); `MLFLOW_TRACKING_URI` points elsewhere (an `http(s)://` server, `postgresql://...`).
 
-Modules, by job: `store` (where, whether, names), `qad_pipeline.redaction` (secrets), `children` and `metrics`
+Modules, by job: `store` (where, whether, names), `qad_pipeline.core.redaction` (secrets), `children` and `metrics`
 (what each stage's run holds, read from its files), `datasets` (data as run inputs), `write`
 (writing one run: a redacted batch, files, a child run), `runs` (logging a pipeline run), `sweep`
 (logging a BPE sweep), `stale` (runs whose logger died), `registry` (model versions), `compare`
@@ -37,13 +37,13 @@ Modules, by job: `store` (where, whether, names), `qad_pipeline.redaction` (secr
 
 from qad_pipeline.tracking.children import ChildRun, read_children, short_reason, stage_span
 from qad_pipeline.tracking.compare import compare_table, compare_text, find_experiment, latest_pipeline_run, run_url
-from qad_pipeline.redaction import REDACTED, flatten, is_secret_name, redact, redact_data, redact_text, secret_values
+from qad_pipeline.core.redaction import REDACTED, flatten, is_secret_name, redact, redact_data, redact_text, secret_values
 from qad_pipeline.tracking.registry import CANDIDATE_ALIAS, register_export, version_description, version_facts
 from qad_pipeline.tracking.runs import (headline_metrics, log_pipeline, pipeline_status, record_run, recorded_run,
                                         start_pipeline_run)
 from qad_pipeline.tracking.stale import mark_stale_runs
 from qad_pipeline.tracking.write import log_child
-from qad_pipeline.tracking.sweep import log_sweep
+from qad_pipeline.tracking.sweep_runs import log_sweep
 from qad_pipeline.tracking.store import (EXPERIMENT_PREFIX, MODEL_SUFFIX, check_reachable, client_for,
                                          ensure_experiment, experiment_name, git_commit, registered_model_name,
                                          tracking_uri)

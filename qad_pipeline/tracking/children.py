@@ -13,23 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qad_pipeline.artifacts import read_json
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, read_result
 from qad_pipeline.results.data import CalibrationManifest
-from qad_pipeline.results.export import ExportMetrics
-from qad_pipeline.results.qad import QADMetrics, QADTraining
-from qad_pipeline.results.race import RaceResult
+from qad_pipeline.results.export_metrics import ExportMetrics
+from qad_pipeline.results.qad_metrics import QADMetrics, QADTraining
+from qad_pipeline.results.race_metrics import RaceResult
 from qad_pipeline.results.scores import BaselineMetrics, PTQResult, PTQScores
-from qad_pipeline.results.selection import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
+from qad_pipeline.results.selection_metrics import RecipeFailed, RecipeResult, RecipeRow, SelectionResult
 from qad_pipeline.results.served import ServedEval
-from qad_pipeline.results.sweep import BPESweep
-from qad_pipeline.stage_types import load_reference
-from qad_pipeline.stages import BPE_SWEEP, RACING, RECIPES, STAGES, SWEEP_POINTS, with_sweep
+from qad_pipeline.results.sweep_metrics import BPESweep
+from qad_pipeline.core.stage_types import load_reference
+from qad_pipeline.core.stages import BPE_SWEEP, RACING, RECIPES, STAGES, SWEEP_POINTS, with_sweep
 from qad_pipeline.tracking.datasets import manifest_datasets
 from qad_pipeline.tracking.metrics import ci_metrics, number, numeric_leaves, pick, task_metrics
-from qad_pipeline.redaction import redact_text
+from qad_pipeline.core.redaction import redact_text
 from qad_pipeline.tracking.store import ERROR
 
 if TYPE_CHECKING:

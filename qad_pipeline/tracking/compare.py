@@ -7,10 +7,10 @@ import json
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
-from qad_pipeline.config import ConfigError
-from qad_pipeline.report import aligned
-from qad_pipeline.redaction import redact_text
-from qad_pipeline.stages import BASELINE, EXPORT, FINAL_EVAL, QAD, RECIPES
+from qad_pipeline.core.config import ConfigError
+from qad_pipeline.reporting.report import aligned
+from qad_pipeline.core.redaction import redact_text
+from qad_pipeline.core.stages import BASELINE, EXPORT, FINAL_EVAL, QAD, RECIPES
 from qad_pipeline.tracking.store import (ERROR, EXPERIMENT_PREFIX, KIND, LOGGED_AT, PARENT, RECIPE, STAGE, client_for,
                                          experiment_name)
 

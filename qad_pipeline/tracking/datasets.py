@@ -8,8 +8,8 @@ import json
 import warnings
 from typing import TYPE_CHECKING
 
-from qad_pipeline.config import Params, resolve
-from qad_pipeline.redaction import redact, redact_text
+from qad_pipeline.core.config import Params, resolve
+from qad_pipeline.core.redaction import redact, redact_text
 from qad_pipeline.results.base import dump_result
 from qad_pipeline.results.data import CalibrationManifest
 

@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.redaction import flatten
+from qad_pipeline.core.redaction import flatten
 from qad_pipeline.results.scores import TaskScore
 
 

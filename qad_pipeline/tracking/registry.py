@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from qad_pipeline.config import ConfigError, Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import redact, redact_text
+from qad_pipeline.core.config import ConfigError, Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.redaction import redact, redact_text
 from qad_pipeline.results.base import read_result
 from qad_pipeline.results.data import CalibrationManifest
-from qad_pipeline.results.export import ExportMetrics
-from qad_pipeline.results.qad import QADMetrics
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import EXPORT
+from qad_pipeline.results.export_metrics import ExportMetrics
+from qad_pipeline.results.qad_metrics import QADMetrics
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.core.stages import EXPORT
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.metrics import number
 from qad_pipeline.tracking.store import (ERROR, GIT_COMMIT, RECIPE, STAGE, client_for, registered_model_name,

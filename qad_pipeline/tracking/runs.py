@@ -6,16 +6,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from qad_pipeline.config import ConfigError, Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import redact_text
-from qad_pipeline.report import read_summary, report_markdown, run_description
+from qad_pipeline.core.config import ConfigError, Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.redaction import redact_text
+from qad_pipeline.reporting.report import read_summary, report_markdown, run_description
 from qad_pipeline.results.base import dump_result, read_result, write_result
-from qad_pipeline.results.export import ExportMetrics
+from qad_pipeline.results.export_metrics import ExportMetrics
 from qad_pipeline.results.run import TrackingRecord
 from qad_pipeline.results.scores import BaselineMetrics
-from qad_pipeline.results.selection import SelectionResult
-from qad_pipeline.stages import (CALIBRATION, EXPORT, FINAL_EVAL, RECIPES, SELECTION, STAGES, SWEEPING, planned,
+from qad_pipeline.results.selection_metrics import SelectionResult
+from qad_pipeline.core.stages import (CALIBRATION, EXPORT, FINAL_EVAL, RECIPES, SELECTION, STAGES, SWEEPING, planned,
                                  with_sweep)
 from qad_pipeline.tracking.children import REASON_FILE, SHORT_REASON, ChildRun, read_children, result_file
 from qad_pipeline.tracking.datasets import log_inputs
@@ -45,7 +45,7 @@ def _checkpoint_identity(layout: Layout, params: Params) -> dict:
     if baseline is not None and baseline.model.path:
         return dump_result(baseline.model)
     try:
-        from qad_pipeline.modeling import checkpoint_identity
+        from qad_pipeline.core.modeling import checkpoint_identity
 
         return checkpoint_identity(params.base_model)
     except ConfigError:

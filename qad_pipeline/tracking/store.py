@@ -11,8 +11,8 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qad_pipeline.config import ConfigError
-from qad_pipeline.redaction import redact_text
+from qad_pipeline.core.config import ConfigError
+from qad_pipeline.core.redaction import redact_text
 
 if TYPE_CHECKING:  # mlflow is imported where it is used: importing it takes seconds
     from mlflow import MlflowClient
@@ -57,7 +57,7 @@ def git_commit() -> str | None:
     """
     import subprocess
 
-    from qad_pipeline.config import project_root
+    from qad_pipeline.core.config import project_root
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=project_root(), capture_output=True, text=True,

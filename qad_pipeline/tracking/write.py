@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from qad_pipeline.config import Params
-from qad_pipeline.layout import Layout
-from qad_pipeline.redaction import flatten, redact, redact_data, redact_text
+from qad_pipeline.core.config import Params
+from qad_pipeline.core.layout import Layout
+from qad_pipeline.core.redaction import flatten, redact, redact_data, redact_text
 from qad_pipeline.tracking.children import ChildRun
 from qad_pipeline.tracking.compare import child_runs
 from qad_pipeline.tracking.datasets import log_inputs

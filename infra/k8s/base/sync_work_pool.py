@@ -13,7 +13,7 @@ folder is the pool's ConfigMap (`qad-pool-gpu`, `qad-pool-control`), one file pe
   parsed as JSON. Kustomize's `images:` rewrites the `image` key; overlays merge the others.
 - `gpus` is the GPUs of one node of the pool: the `maximum` of the template's `gpus` variable (the
   Job's `nvidia.com/gpu` request and limit, which each flow run sets to what its stage needs:
-  qad_pipeline/pools.py), only in a template that has that variable. Prefect's server refuses a
+  qad_pipeline/plan/pools.py), only in a template that has that variable. Prefect's server refuses a
   flow run that asks for more, and the pipeline's preflight refuses the run before that.
 
 The namespace's default is the pod's own (POD_NAMESPACE, from the downward API): the worker's Role

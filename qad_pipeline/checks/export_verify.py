@@ -1,0 +1,145 @@
+"""The export's checks of a checkpoint against its student, as one call: the export stage
+(`tasks/export.py`) runs them on the folder it writes, `qad-pipeline verify-export` on any folder
+(an export converted, copied or edited by hand) against a finished run's student."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qad_pipeline.core.artifacts import read_json
+from qad_pipeline.core.config import ConfigError, Params
+from qad_pipeline.checks.export_checks import (check_formats, check_reload, check_size, check_weights, checkpoint_weights,
+                                        read_tensors, reload_reference, student_weights)
+from qad_pipeline.checks.export_lint import lint, student_input_scales, student_weight_scales
+from qad_pipeline.core.layout import Layout
+
+MANIFEST = "export_manifest.json"
+
+
+def source_folder(layout: Layout, source: str) -> Path:
+    """The checkpoint folder of an export source (qad, or ptq/<recipe>) in this run."""
+    return layout.qad / "model" if source == "qad" else layout.candidate(source.removeprefix("ptq/")) / "checkpoint"
+
+
+@dataclass
+class StudentSide:
+    """What the export's checks compare a checkpoint with, computed from the student (before the
+    export: it packs the student's weights in place)."""
+
+    expected: dict  # size_report: each layer's format, bits per element, bytes
+    batch: torch.Tensor  # the reload check's held-out windows
+    reload: tuple  # reload_reference: the student's weight-only logits, its noise, the quantization's KL
+    prompts: list[list[int]]  # the serving check's held-out prompts
+    served: dict  # student_reference: per view what vLLM must reproduce
+    input_scales: dict[str, float]  # the calibrated input scales the lint expects
+    weight_scales: dict[str, float]  # the student's global weight scales the lint expects
+    quantized: dict | None  # the student's quantized weights, for the weights check (then dropped)
+    student_dir: Path  # its checkpoint: the weights check reads each block's original weights there
+    vocab: int
+
+
+def student_side(layout: Layout, student, student_dir: Path) -> StudentSide:
+    """The student's side of every check, on the run's held-out windows."""
+    from qad_pipeline.core.calibration_data import load_ppl_windows
+    from qad_pipeline.checks.serving_reference import held_out_prompts, student_reference
+    from qad_pipeline.nvfp4.sizes import size_report
+
+    windows = load_ppl_windows(layout.data)
+    batch = torch.from_numpy(windows[:2])
+    prompts = held_out_prompts(windows)
+    return StudentSide(expected=size_report(student), batch=batch, reload=reload_reference(student, batch),
+                       prompts=prompts, served=student_reference(student, prompts),
+                       input_scales=student_input_scales(student), weight_scales=student_weight_scales(student),
+                       quantized=student_weights(student), student_dir=student_dir, vocab=student.config.vocab_size)
+
+
+def check_checkpoint(params: Params, folder: Path, side: StudentSide) -> dict[str, dict]:
+    """The export's checks of the checkpoint in `folder` against the student (`side`): formats, size,
+    lint, weights, reload, and (unless export.serving_check is skip) serving, for which the student's
+    `serving_reference.npz` is written into `folder` first."""
+    from qad_pipeline.checks.serving_reference import write_reference
+
+    tensors = read_tensors(folder)
+    reference, noise, quantization_kl = side.reload
+    quant_config = read_json(folder / "hf_quant_config.json")
+    checks = {
+        "formats": check_formats(side.expected["layer_formats"], tensors, quant_config),
+        "size": check_size(side.expected["effective_bpe"], tensors),
+        "lint": lint(tensors, side.input_scales, read_json(folder / "config.json"), quant_config, side.weight_scales),
+        "weights": check_weights(tensors, side.quantized, checkpoint_weights(side.student_dir)),
+    }
+    side.quantized = None  # a BF16 copy of the NVFP4 layers, gone before the reload builds its model
+    checks["reload"] = check_reload(folder, tensors, reference, side.batch, noise, quantization_kl,
+                                    params.base_model.trust_remote_code)
+    write_reference(folder, side.prompts, side.served)
+    serving_check = check_serving(params, folder)
+    if serving_check is not None:
+        checks["serving"] = serving_check
+    return checks
+
+
+def failed_checks(checks: dict[str, dict]) -> list[str]:
+    """One phrase per failed check: its name and first problem (or summary, or figure)."""
+    out = []
+    for name, c in checks.items():
+        if c["passed"]:
+            continue
+        if c.get("problems"):
+            out.append(f"{name}: {c['problems'][0]}" + (f" (+{len(c['problems']) - 1} more)" if len(c["problems"]) > 1
+                                                          else ""))
+        elif c.get("summary"):
+            out.append(f"{name}: {c['summary']}")
+        else:
+            figure = {k: c[k] for k in ("kl_divergence", "tolerance", "relative_difference") if k in c}
+            out.append(f"{name}: {figure or c}")
+    return out
+
+
+def check_serving(params: Params, folder: Path) -> dict | None:
+    """A real vLLM serves what the student computes (`qad_pipeline.checks.serving`); None when
+    export.serving_check is skip."""
+    from qad_pipeline.checks import serving
+
+    if params.export.serving_check == "skip":
+        return None
+    return serving.verify_serving(folder, params.export.serving_check)
+
+
+def verify_export(params: Params, layout: Layout, checkpoint: Path) -> dict:
+    """`qad-pipeline verify-export`: the export's checks (`check_checkpoint`) on any checkpoint folder
+    (an export converted, copied or edited by hand) against the student of the run in `layout`, the
+    one its export's manifest names. Nothing in `checkpoint` changes: the checks read it through a
+    folder of links, beside which the student's serving reference is written."""
+    from qad_pipeline.core.modeling import load_model
+    from qad_pipeline.checks.serving_reference import REFERENCE_FILE
+
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "config.json").is_file() or not (checkpoint / "hf_quant_config.json").is_file():
+        raise ConfigError(f"{checkpoint} is not an exported checkpoint (it needs config.json and hf_quant_config.json)")
+    manifest = layout.export / MANIFEST
+    if not manifest.is_file():
+        raise ConfigError(f"{layout.root} holds no finished export ({manifest} is missing): give the --out-root of a "
+                          "run whose export stage passed (its student is what the checkpoint is checked against)")
+    exported = read_json(manifest)["exported"]
+    student_dir = source_folder(layout, exported)
+    if not (student_dir / "config.json").is_file():
+        raise ConfigError(f"the run's student {student_dir} ({exported}, which {manifest} names) is gone: "
+                          "the checks compare the checkpoint with it")
+    side = student_side(layout, load_model(params.base_model, params.hardware, folder=student_dir,
+                                           dtype=torch.bfloat16), student_dir)
+    with tempfile.TemporaryDirectory(prefix="qad-verify-export-") as tmp:
+        view = Path(tmp)
+        for file in checkpoint.iterdir():
+            if file.name != REFERENCE_FILE:
+                os.symlink(file.resolve(), view / file.name)
+        checks = check_checkpoint(params, view, side)
+    failed = failed_checks(checks)
+    return {"checkpoint": str(checkpoint), "student": exported, "checks": checks, "passed": not failed,
+            "summary": (f"verify-export passed: {checkpoint} against the run's student ({exported}): "
+                        + ", ".join(checks)) if not failed else
+                       f"verify-export FAILED: {checkpoint} against the run's student ({exported}): " + "; ".join(failed)}

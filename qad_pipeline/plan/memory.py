@@ -1,0 +1,398 @@
+"""The memory plan: each stage's peak host and GPU memory, estimated before any weights load.
+
+    qad-pipeline plan [--params params.yaml] [--set section.key=value ...] [--base-model PATH] [--json]
+
+`plan(params)` estimates the peak resident memory of every stage process from the model's config
+(its shapes come from building the model on PyTorch's meta device: no weight is read), the
+settings and the recipes. `check_fits(plan(params))`, which the preflight of every run calls,
+refuses a setting that cannot fit, naming the knob to turn and the largest value that fits.
+`recipe_parallelism(params)` is how many PTQ recipes `ptq.max_parallel: auto` runs at once.
+
+The estimate of each phase, term by term, is `qad_pipeline.plan.memory_model` (its docstring has the
+formula and where its constants were fitted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from qad_pipeline.plan import costs, eval_costs, gpus
+from qad_pipeline.core.config import ConfigError, HardwareParams, Params
+from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
+                                       Phase, model_shape, stage_memory, stage_phases)
+from qad_pipeline.reporting.report import aligned
+from qad_pipeline.core.stages import RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
+
+HEADROOM = 0.9                    # the share of the free memory the plan lets the stages use
+
+
+@dataclass
+class StageEstimate:
+    """One stage process's estimated peak; `terms` are its peak phase's terms (bytes)."""
+
+    stage: str
+    host_bytes: int
+    device_bytes: int  # per GPU
+    max_parallel: int  # processes of this stage at once: PTQ recipes, QAD's qad.num_gpus
+    device: str
+    phase: str
+    terms: dict[str, int] = field(default_factory=dict)
+    fits: bool = True
+    advice: str | None = None  # why it does not fit, and the knob to turn
+    host_bytes_other: int = 0  # each of the other processes at once (QAD: ranks but the first)
+    gpus: tuple[str, ...] = ()  # the GPUs it gets (its CUDA_VISIBLE_DEVICES: gpus.layout; qad: all its ranks')
+    disk_bytes: int = 0  # what it writes under the out-root, at its peak (qad_pipeline.plan.costs)
+    seconds: float | None = None  # one process's estimated wall time (None: no GPU model to estimate for)
+    evaluation: dict | None = None  # what it evaluates: requests, tokens, window tokens (qad_pipeline.plan.eval_costs)
+
+    @property
+    def host_total(self) -> int:
+        """The host memory of all its processes at once."""
+        return self.host_bytes + (self.max_parallel - 1) * self.host_bytes_other
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "host_total_bytes": self.host_total}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the stages may use: host bytes and bytes per visible GPU, HEADROOM applied."""
+
+    device: str  # "cpu" | "cuda"
+    host_bytes: int
+    gpu_bytes: tuple[int, ...] = ()  # none seen on CUDA: the stages run elsewhere, nothing is checked
+    gpu_names: tuple[str, ...] = ()  # as the stage processes' CUDA_VISIBLE_DEVICES name them (default: this machine's)
+    bf16_flops: float | None = None  # per GPU, for the time estimate (a target's; unknown for this machine)
+    target: str | None = None  # the node planned for, when it is not this machine
+
+
+def target_capacity(text: str) -> Capacity:
+    """What a node described as `text` (`8xH100-80GB`, see qad_pipeline/plan/targets.py) offers, HEADROOM applied."""
+    from qad_pipeline.plan.targets import parse
+
+    try:
+        node = parse(text)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return Capacity("cuda", int(node.host_bytes * HEADROOM), (int(node.gpu_bytes * HEADROOM),) * node.count,
+                    tuple(str(i) for i in range(node.count)), node.bf16_flops, node.text)
+
+
+# -- what the machine has -------------------------------------------------------------------------
+
+
+def _host_free() -> int:
+    """MemAvailable, or less where this process's cgroup (a container's limit) leaves less."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        free = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError):
+        import psutil
+
+        free = psutil.virtual_memory().available
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def planned_device(hardware: HardwareParams) -> str:
+    if hardware.device == "cuda":  # also where this process sees no GPU (a flow's control node)
+        return "cuda"
+    from qad_pipeline.core.modeling import resolve_device
+
+    return resolve_device(hardware)
+
+
+def capacity(hardware: HardwareParams) -> Capacity:
+    """`hardware.host_memory_gb` (GiB) or the free host memory, and each visible GPU's free memory,
+    within `hardware.max_memory`."""
+    from accelerate.utils import convert_file_size_to_int
+
+    device = planned_device(hardware)
+    caps = {k: convert_file_size_to_int(v) for k, v in (hardware.max_memory or {}).items()}
+    host = hardware.host_memory_gb * GiB if hardware.host_memory_gb is not None else _host_free()
+    host = min(host, caps.get("cpu", host))
+    free = [min(f, caps.get(str(i), f)) for i, f in enumerate(gpus.free_bytes() if device == "cuda" else [])]
+    return Capacity(device, int(host * HEADROOM), tuple(int(g * HEADROOM) for g in free))
+
+
+def stages(params: Params, sweep_only: bool = False) -> list[str]:
+    """The stage processes a run starts, in order (`ptq/<recipe>` for each recipe, `sweep/<budget>`
+    for each budget); `sweep_only`: the BPE sweep's flow."""
+    return [stage.summary_key(recipe) for stage, recipe in planned(params, sweep_only)]
+
+
+# -- from phases to estimates ---------------------------------------------------------------------
+
+
+def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(host terms, terms per GPU) of one phase on `cap.device`."""
+    model = {**phase.resident, **phase.transient}
+    if cap.device == "cpu":
+        return {"process": PROCESS_BASE, **model, **phase.host}, {}
+    host = {"process": PROCESS_BASE + CUDA_HOST_EXTRA, **phase.host}
+    if params.hardware.device_map == "auto" and gpus.ranks(stage, params) is None and cap.gpu_bytes:
+        # spread over the GPUs the process gets: a recipe's gpus_per_recipe, another stage's all
+        given = gpus.needed(stage.split("/")[0], params, len(cap.gpu_bytes))
+        resident = sum(phase.resident.values())
+        room = given * max(0, min(cap.gpu_bytes) - CUDA_CONTEXT - sum(phase.transient.values()))
+        if resident > room:  # accelerate offloads what the GPUs cannot hold to the host
+            host["offloaded"] = resident - room
+        return host, {"cuda_context": CUDA_CONTEXT, "weights_share": min(resident, room) // given, **phase.transient}
+    return host, {"cuda_context": CUDA_CONTEXT, **model}
+
+
+def estimate(stage: str, params: Params, cap: Capacity, shape: ModelShape | None = None) -> StageEstimate:
+    """One stage process's peak host and per-GPU bytes (the max over its phases)."""
+    model = stage_memory(stage.split("/")[0])
+    if isinstance(model, int):  # a process that loads no model (calibration, selection, the sweep's curve)
+        return StageEstimate(stage, model, 0, 1, "cpu", "no model", {"process": model}, host_bytes_other=model)
+    shape = shape or model_shape(params.base_model)
+    placed = [(p.name, *_placed(p, params, cap, stage)) for p in stage_phases(stage, params, shape, cap.device)]
+    on_gpu = cap.device == "cuda"
+    name, host, device = max(placed, key=lambda x: sum((x[2] if on_gpu else x[1]).values()))
+    terms = {**device, **{f"host:{k}": v for k, v in host.items()}} if on_gpu else host
+    others = max(sum(v for k, v in h.items() if not k.startswith("rank0_")) for _, h, _ in placed)
+    return StageEstimate(stage, max(sum(h.values()) for _, h, _ in placed), max(sum(g.values()) for *_, g in placed),
+                         1, cap.device, name, terms, host_bytes_other=others)
+
+
+# -- parallelism, fitting, refusing ---------------------------------------------------------------
+
+
+def _gpus_holding(device_bytes: int, cap: Capacity) -> int:
+    return sum(1 for free in cap.gpu_bytes if device_bytes <= free)
+
+
+def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool = False) -> int:
+    """Per-item processes at once (PTQ recipes; with `sweep`, the sweep's budgets too, which share
+    the recipes' slots): `ptq.max_parallel`, or for `auto` as many as the free host memory holds
+    (CPU), or one per `ptq.gpus_per_recipe` visible GPUs that hold one (CUDA: `qad_pipeline.plan.gpus`;
+    one at a time with `device_map: auto` and `gpus_per_recipe: auto`, which spread a recipe over
+    all of them). At least 1: `check_fits` refuses one that does not fit at all."""
+    per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
+    items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
+    if params.ptq.max_parallel != "auto":
+        at_once = min(params.ptq.max_parallel, items)
+        if cap is not None and cap.device == "cuda" and cap.gpu_bytes:  # no more than the GPUs' slots
+            at_once = min(at_once, max(1, gpus.slots(params, len(cap.gpu_bytes))))
+        return at_once
+    cap = cap or capacity(params.hardware)
+    if cap.device == "cuda" and not cap.gpu_bytes:  # the recipes run on GPU workers, one each
+        return items
+    peaks = [estimate(stage, params, cap) for stage in per_item]
+    fit = min(items, cap.host_bytes // max(e.host_bytes for e in peaks))
+    if cap.device == "cuda" and cap.gpu_bytes:
+        holding = _gpus_holding(max(e.device_bytes for e in peaks), cap)
+        fit = min(fit, holding // gpus.per_recipe(params, len(cap.gpu_bytes)))
+    return max(1, fit)
+
+
+def _gib(nbytes: int) -> str:
+    return f"~{nbytes / GiB:.1f} GiB"
+
+
+def _why_not(est: StageEstimate, cap: Capacity, params: Params) -> str | None:
+    """Why `est`, run `est.max_parallel` times at once, does not fit (None when it does). Nothing
+    is checked for CUDA stages where no GPU is seen: they run on other machines (GPU workers)."""
+    at_once = est.max_parallel
+    if cap.device == "cuda" and not cap.gpu_bytes:
+        return None
+    if est.host_total > cap.host_bytes:
+        times = f" ({at_once} processes at once)" if at_once > 1 else ""
+        return f"needs {_gib(est.host_total)} of host memory{times}, {_gib(cap.host_bytes)} is usable"
+    if cap.device == "cuda" and cap.gpu_bytes:
+        needs = at_once if gpus.ranks(est.stage, params) else 1
+        if needs > len(cap.gpu_bytes):
+            node = f"the target {cap.target} has" if cap.target else "this machine sees"
+            return f"runs on qad.num_gpus = {needs} GPUs, {node} {len(cap.gpu_bytes)}"
+        if _gpus_holding(est.device_bytes, cap) < needs:
+            return f"needs {_gib(est.device_bytes)} per GPU, {_gib(max(cap.gpu_bytes))} is usable"
+    return None
+
+
+def _with(params: Params, knob: str, value) -> Params:
+    section, key = knob.split(".")
+    return params.model_copy(update={section: getattr(params, section).model_copy(update={key: value})})
+
+
+def _value(params: Params, knob: str):
+    section, key = knob.split(".")
+    return getattr(getattr(params, section), key)
+
+
+def _fits(stage: str, params: Params, cap: Capacity, at_once: int) -> bool:
+    est = estimate(stage, params, cap)
+    est.max_parallel = at_once
+    return _why_not(est, cap, params) is None
+
+
+def _largest(stage: str, params: Params, cap: Capacity, at_once: int, knob: str, step: int = 1) -> int | None:
+    """The largest multiple of `step`, up to `knob`'s value, at which `stage` fits (binary search:
+    every estimate grows with its knobs)."""
+    section, key = knob.split(".")
+    lo, hi = 1, getattr(getattr(params, section), key) // step
+    if hi < 1 or not _fits(stage, _with(params, knob, step), cap, at_once):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _fits(stage, _with(params, knob, mid * step), cap, at_once) else (lo, mid - 1)
+    return lo * step
+
+
+def _qad_switches(params: Params) -> list[tuple[str, object]]:
+    """QAD's on/off settings that lower its memory and are off: each is tried alone."""
+    q = params.qad
+    switches = [("qad.gradient_checkpointing", True)] if not q.gradient_checkpointing else []
+    if q.processes > 1 and q.sharding == "ddp":
+        switches.append(("qad.sharding", "fsdp"))
+    if q.processes > 1 and not q.offload:
+        switches.append(("qad.offload", True))  # with fsdp (a ddp run is offered fsdp first)
+    return switches
+
+
+def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
+    """What to turn so that `est` fits: the knob of its peak phase first, with the largest value
+    that fits, then the stage's other knobs; else what no setting of this run can change."""
+    stage, name, at_once, ranked = est.stage, est.stage.split("/")[0], est.max_parallel, bool(gpus.ranks(est.stage, params))
+    knobs = STAGES[name].knobs
+    if not knobs:
+        return f"{stage}: {why} (the process alone); use a machine with more memory"
+    if STAGES[name].over_recipes and at_once > 1 and _fits(stage, params, cap, 1):
+        most = max(1, cap.host_bytes // est.host_bytes)
+        return f"{stage}: ptq.max_parallel={params.ptq.max_parallel} {why}; the largest that fits is {most}"
+    switches = [f"{knob}={value}".replace("True", "true") for knob, value in _qad_switches(params)
+                if ranked and _fits(stage, _with(params, knob, value), cap, at_once)]
+    alternative = f"; or set {' or '.join(switches)}" if switches else ""
+    phase_knob = next((p.knob for p in stage_phases(stage, params, model_shape(params.base_model), cap.device)
+                       if p.name == est.phase), None)
+    def knob_that_fits(candidate: Params) -> tuple[str, int] | None:
+        for knob in sorted(knobs, key=lambda k: k != phase_knob):
+            step = candidate.qad.processes if knob == "qad.batch_size" else 1  # rows split evenly over processes
+            most = _largest(stage, candidate, cap, at_once, knob, step)
+            if most is not None and most < _value(candidate, knob):
+                return knob, most
+        return None
+
+    def lowered(knob: str, most: int) -> str:
+        at = f" at qad.seq_len {params.qad.seq_len}" if knob == "qad.batch_size" else ""
+        return f"{knob}={_value(params, knob)}{at} {why}; the largest that fits is {most}"
+
+    found = knob_that_fits(params)
+    if found:
+        return f"{stage}: {lowered(*found)}{alternative}"
+    if switches:
+        return f"{stage}: {why}; set {' or '.join(switches)}"
+    for knob, value in (_qad_switches(params) if ranked else []):  # a switch and a smaller knob together
+        found = knob_that_fits(_with(params, knob, value))
+        if found:
+            return f"{stage}: {lowered(*found)} with {knob}={str(value).lower()}; set both"
+    weights = model_shape(params.base_model).params * DTYPE_BYTES[params.base_model.dtype]
+    if est.host_total > cap.host_bytes:
+        where = "a machine with more host memory" + (", or GPUs" if cap.device == "cpu" else "")
+    elif ranked:
+        where = "more GPUs (qad.num_gpus, qad.num_nodes with qad.sharding=fsdp and qad.offload=true)"
+    elif params.hardware.device_map != "auto":
+        where = "hardware.device_map=auto (spread the model over the GPUs)"
+    else:
+        where = "more or larger GPUs"
+    largest = max(est.terms, key=est.terms.get)
+    return (f"{stage}: {why}, even at batch size 1 (the weights alone are {_gib(weights)}, the largest term is "
+            f"{largest} {_gib(est.terms[largest])} in its {est.phase} phase); use {where}")
+
+
+def settled(params: Params, cap: Capacity, sweep: bool = False) -> Params:
+    """`params` with `ptq.gpus_per_recipe: auto` settled for `device_map: auto` on GPUs: the fewest
+    GPUs over which every recipe (and sweep budget) fits without offloading to the host, else all."""
+    if params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto" or not cap.gpu_bytes:
+        return params
+    per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
+    for k in range(1, len(cap.gpu_bytes)):
+        candidate = _with(params, "ptq.gpus_per_recipe", k)
+        estimates = [estimate(stage, candidate, cap) for stage in per_item]
+        if all(_why_not(e, cap, candidate) is None and "host:offloaded" not in e.terms for e in estimates):
+            return candidate
+    return _with(params, "ptq.gpus_per_recipe", len(cap.gpu_bytes))
+
+
+def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
+    """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit
+    (`ptq.gpus_per_recipe: auto` settled first: `settled`)."""
+    cap = cap or capacity(params.hardware)
+    params = settled(params, cap, sweep=sweep_only or with_sweep(params))
+    recipes_at_once = recipe_parallelism(params, cap, sweep=sweep_only or with_sweep(params))
+    shape = model_shape(params.base_model)
+    runs = [(declared.name, item) for declared, item in planned(params, sweep_only)]
+    names = cap.gpu_names or gpus.visible(len(cap.gpu_bytes))
+    placed = gpus.layout(runs, params, names, recipes_at_once) if cap.gpu_bytes else {}
+    out = []
+    gpu = costs.target_gpu(cap.target)  # the GPU a measured QAD MFU is looked up for
+    for stage in stages(params, sweep_only):
+        est = estimate(stage, params, cap, shape)
+        est.disk_bytes = costs.disk_bytes(stage, params, shape)
+        est.seconds = costs.seconds(stage, params, shape, cap.bf16_flops, gpu)
+        est.evaluation = (cost := eval_costs.stage_cost(stage, params)) and cost.as_dict()
+        est.max_parallel = recipes_at_once if STAGES[stage.split("/")[0]].per_recipe else gpus.ranks(stage, params) or 1
+        est.gpus = placed.get(stage, ())
+        why = _why_not(est, cap, params)
+        if why is not None:
+            est.fits, est.advice = False, advice(est, params, cap, why)
+        out.append(est)
+    return out
+
+
+def check_fits(estimates: list[StageEstimate]) -> None:
+    """Raise ConfigError for the first stage that does not fit, naming the knob to turn."""
+    for est in estimates:
+        if not est.fits:
+            raise ConfigError(est.advice)
+
+
+def run_seconds(estimates: list[StageEstimate]) -> float | None:
+    """The run's estimated wall time: the longest path through the stages' `after` edges, a
+    per-item stage taking its items in waves of `max_parallel` (None: no time estimate)."""
+    if any(e.seconds is None for e in estimates):
+        return None
+    took: dict[str, list[float]] = {}
+    for e in estimates:
+        took.setdefault(e.stage.split("/")[0], []).append(e.seconds)
+    at_once = {e.stage.split("/")[0]: e.max_parallel for e in estimates}
+    done: dict[str, float] = {}
+    for name, times in took.items():  # in the registry's order: every stage after the ones it waits for
+        waves = -(-len(times) // max(1, at_once[name])) if STAGES[name].per_recipe else 1
+        done[name] = max((done.get(a, 0.0) for a in STAGES[name].after), default=0.0) + waves * max(times)
+    return max(done.values())
+
+
+def time_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None = None) -> str:
+    """The plan as a text table, then what the machine (or target) offers and the time (the disk in
+    all: `disk_plan`)."""
+    mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
+    gib = lambda b: f"{b / GiB:,.1f}" if b else "-"  # noqa: E731
+    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "disk GiB", "time", "fits")]
+    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), gpus.shown(e.gpus), str(e.max_parallel),
+              gib(e.disk_bytes), time_text(e.seconds), "yes" if e.fits else "NO") for e in estimates]
+    lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
+    seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
+    where = f"target {cap.target}" if cap.target else f"{HEADROOM:.0%} of what is free"
+    lines.append(f"usable ({where}): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; the stages run on {cap.device}")
+    total = run_seconds(estimates)
+    left_out = eval_costs.uncounted_tasks(params) if params is not None else []
+    if total is not None:
+        qad_mfu, source = costs.train_mfu(costs.target_gpu(cap.target))
+        lines.append(f"time: ~{time_text(total)} along the DAG (MFU {costs.EVAL_MFU:.0%} forward, assumed; "
+                     f"{qad_mfu:.0%} QAD, {source}; see qad_pipeline/plan/costs.py)"
+                     + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
+    lines += costs.eval_lines(estimates, params, cap.bf16_flops) if params is not None else []
+    return "\n".join(lines)
