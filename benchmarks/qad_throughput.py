@@ -17,7 +17,7 @@ differs only by a logsumexp for a gather), baseline (the student without
 quantizers: plain BF16 distillation, live teacher); suffix `:full` = the KD loss from the full logits,
 `:compile` = torch.compile on each decoder block (in place, so those modes run last).
 
-MFU = (6 N_s + 2 N_t + A) x tokens/s / peak (`qad_pipeline/plan/targets.py` GPUS; H200 989 TFLOP/s dense
+MFU = (6 N_s + 2 N_t + A) x tokens/s / peak (`qad_pipeline/core/targets.py` GPUS; H200 989 TFLOP/s dense
 BF16). N: the weights of every matmul (decoder linears, output embedding; the input embedding is a
 lookup), N_t = 0 with the cached teacher. A, causal attention per token: 2 x seq x heads x head_dim x
 layers per forward (QK^T and AV over half the positions on average), x3 for the student (forward and
@@ -268,7 +268,7 @@ def explain_block(student, config, seq: int, device) -> dict:
 
 def throughput(args) -> dict:
     """The cuda mode (and --quick on the CPU)."""
-    from qad_pipeline.plan.targets import GPUS
+    from qad_pipeline.core.targets import GPUS
 
     device = torch.device(args.device)
     config = llama_1b_config(args.tied) if not args.quick else tiny_config(vocab=4096, hidden=128)

@@ -22,12 +22,11 @@ import typer
 
 from qad_pipeline.platform import processes
 from qad_pipeline import cli_options
-from qad_pipeline.cli_checks import verify_export_command, verify_serving_command
+from qad_pipeline.cli_checks import params_doc_command, verify_export_command, verify_serving_command
 from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
 from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.core.layout import Layout, output_root
 from qad_pipeline.core.params_files import inheritance_line
-from qad_pipeline.core.params_reference import params_doc_command
 from qad_pipeline.plan.preflight import check_recipes, preflight
 from qad_pipeline.platform.runlock import NODE_ENV, TOKEN_ENV, run_lock
 from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING
@@ -37,7 +36,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP
 app.command("trainjob")(trainjob_command)  # qad_pipeline/training/trainjob.py
 app.command("verify-serving")(verify_serving_command)  # qad_pipeline/cli_checks.py
 app.command("verify-export")(verify_export_command)
-app.command("params-doc")(params_doc_command)  # qad_pipeline/core/params_reference.py
+app.command("params-doc")(params_doc_command)  # qad_pipeline/cli_checks.py
 
 
 @app.callback()

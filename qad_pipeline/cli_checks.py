@@ -2,6 +2,7 @@
 
     qad-pipeline verify-serving EXPORT_DIR                # a real vLLM against the export's own reference
     qad-pipeline verify-export CHECKPOINT --out-root RUN  # every export check against RUN's student
+    qad-pipeline params-doc [--check]                     # docs/params.md from params.yaml's comments
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Annotated
 import typer
 
 from qad_pipeline.cli_options import ParamsOpt, RootOpt, SetOpt, fail
-from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, StageError
+from qad_pipeline.core.config import DEFAULT_PARAMS, PROJECT_PARAMS, ConfigError, StageError
+from qad_pipeline.core.params_reference import REFERENCE, model_keys, reference_markdown, undocumented
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="print the whole result as JSON before the last line")]
 
@@ -69,3 +71,25 @@ def verify_export_command(
     if not result["passed"]:
         fail(StageError(result["summary"]))
     typer.echo(result["summary"])
+
+
+def params_doc_command(
+    check: Annotated[bool, typer.Option("--check", help="only say whether docs/params.md is current; exit 1 if not")]
+    = False,
+) -> None:
+    """Write docs/params.md, every parameter's reference, from params.yaml's comments."""
+    try:
+        missing = undocumented()
+        if missing:
+            raise ConfigError(f"{PROJECT_PARAMS}: no comment describes {', '.join(missing)}")
+    except ConfigError as err:
+        fail(err)
+    text = reference_markdown()
+    current = REFERENCE.is_file() and REFERENCE.read_text() == text
+    if check:
+        typer.echo(f"{REFERENCE} is {'current' if current else 'out of date: run `qad-pipeline params-doc`'}")
+        raise typer.Exit(0 if current else 1)
+    if not current:
+        REFERENCE.parent.mkdir(exist_ok=True)
+        REFERENCE.write_text(text)
+    typer.echo(f"{REFERENCE}: {'unchanged' if current else 'written'} ({len(model_keys())} keys)")

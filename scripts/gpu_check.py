@@ -57,12 +57,12 @@ SWEEP_FRACTIONS = (0.05, 0.2)
 
 
 def bf16_peak(device: str) -> float | None:
-    """The dense BF16 FLOP/s of this machine's GPU, when qad_pipeline.plan.targets knows it by name."""
+    """The dense BF16 FLOP/s of this machine's GPU, when qad_pipeline.core.targets knows it by name."""
     if device != "cuda":
         return None
     import torch
 
-    from qad_pipeline.plan.targets import GPUS
+    from qad_pipeline.core.targets import GPUS
 
     name = torch.cuda.get_device_name()
     return next((flops for gpu, (_, flops) in GPUS.items() if gpu in name.upper()), None)

@@ -159,7 +159,7 @@ def test_push_pull_and_a_missing_remote(project):
 
 def test_a_run_in_the_project_pushes_its_stages_to_the_configured_remote(project, tmp_path):
     from qad_pipeline.platform.dvc_remote import after_run
-    from qad_pipeline.platform.remote_config import RemoteParams
+    from qad_pipeline.core.remote_config import RemoteParams
 
     repo = project[0]
     ran = [(name.split("@")[0], name.partition("@")[2] or None) for name in sorted(ALL_STAGES)]

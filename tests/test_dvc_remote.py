@@ -18,7 +18,7 @@ import pytest
 
 from qad_pipeline.platform import dvc_remote
 from qad_pipeline.core.config import PROJECT_PARAMS, ConfigError, load_params
-from qad_pipeline.platform.remote_config import RemoteParams
+from qad_pipeline.core.remote_config import RemoteParams
 from qad_pipeline.core.stages import STAGES
 from tests.devstack import free_port, tool_env
 

@@ -13,7 +13,7 @@ from qad_pipeline.plan import costs, eval_costs
 from qad_pipeline.core.config import PROJECT_ROOT, load_params
 from qad_pipeline.plan.eval_costs import STANDARD, stage_cost, task_sizes
 from qad_pipeline.plan.memory_model import model_shape
-from qad_pipeline.plan.targets import parse
+from qad_pipeline.core.targets import parse
 
 PROFILE_8B = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
 TASKS = Path(lm_eval.__file__).parent / "tasks"

@@ -1,4 +1,4 @@
-"""Planning for a node that is not this one (`qad-pipeline plan --target`, qad_pipeline/plan/targets.py),
+"""Planning for a node that is not this one (`qad-pipeline plan --target`, qad_pipeline/core/targets.py),
 on the real models' configs shipped in profiles/configs/ (no weights, no hub access)."""
 
 import json
@@ -8,7 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline.plan import memory, targets
+from qad_pipeline.core import targets
+from qad_pipeline.plan import memory
 from qad_pipeline.cli import app
 from qad_pipeline.core.config import PROJECT_ROOT, BaseModelParams, ConfigError, load_params
 from qad_pipeline.plan.memory_model import model_shape

@@ -21,7 +21,7 @@ from qad_pipeline.core.params_files import read_yaml as read_yaml
 from qad_pipeline.core.params_files import parse_override as parse_override
 from qad_pipeline.core.params_files import yaml_error as yaml_error
 from qad_pipeline.core.redaction import flatten, secret_in
-from qad_pipeline.platform.remote_config import VersioningParams
+from qad_pipeline.core.remote_config import VersioningParams
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # this source checkout (demo model, tests)
 PROJECT_PARAMS = PROJECT_ROOT / "params.yaml"  # this checkout's own params.yaml (the bundled defaults)
@@ -57,14 +57,14 @@ class HardwareParams(_Section):
     device_map: Literal["single", "auto"]
     max_memory: dict[str, str] | None = None
     host_memory_gb: float | None = Field(default=None, gt=0)
-    target: str | None = None  # the GPU node the stages run on when it is not this machine (qad_pipeline/plan/targets.py)
+    target: str | None = None  # the GPU node the stages run on when it is not this machine (qad_pipeline/core/targets.py)
     pool_gpus: int | None = Field(default=None, ge=1)  # the most GPUs one Job of the GPU pool gets (qad_pipeline/plan/pools.py)
 
     @field_validator("target")
     @classmethod
     def _target(cls, text: str | None) -> str | None:
         if text is not None:
-            from qad_pipeline.plan.targets import parse
+            from qad_pipeline.core.targets import parse
 
             parse(text)
         return text

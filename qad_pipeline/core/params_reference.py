@@ -12,14 +12,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-import typer
 import yaml
 from pydantic import BaseModel
 
-from qad_pipeline.cli_options import fail
-from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, ConfigError, Params
+from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, Params
 
 REFERENCE = PROJECT_ROOT / "docs" / "params.md"
 _SECTION = re.compile(r"^(\w+):\s*(?:#\s?(.*))?$")
@@ -137,25 +134,3 @@ def undocumented(path: Path = PROJECT_PARAMS) -> list[str]:
     """The model's keys that params.yaml does not describe (absent, or with no comment)."""
     described = {key.name for section in read_reference(path)[1] for key in section.keys if key.description}
     return [name for name in model_keys() if name not in described]
-
-
-def params_doc_command(
-    check: Annotated[bool, typer.Option("--check", help="only say whether docs/params.md is current; exit 1 if not")]
-    = False,
-) -> None:
-    """Write docs/params.md, every parameter's reference, from params.yaml's comments."""
-    try:
-        missing = undocumented()
-        if missing:
-            raise ConfigError(f"{PROJECT_PARAMS}: no comment describes {', '.join(missing)}")
-    except ConfigError as err:
-        fail(err)
-    text = reference_markdown()
-    current = REFERENCE.is_file() and REFERENCE.read_text() == text
-    if check:
-        typer.echo(f"{REFERENCE} is {'current' if current else 'out of date: run `qad-pipeline params-doc`'}")
-        raise typer.Exit(0 if current else 1)
-    if not current:
-        REFERENCE.parent.mkdir(exist_ok=True)
-        REFERENCE.write_text(text)
-    typer.echo(f"{REFERENCE}: {'unchanged' if current else 'written'} ({len(model_keys())} keys)")

@@ -70,7 +70,7 @@ def train_mfu(gpu: str | None) -> tuple[float, str]:
 
 def target_gpu(target: str | None) -> str | None:
     """The GPU name (`targets.GPUS`) of a plan's target node (None: this machine, not named)."""
-    from qad_pipeline.plan.targets import parse
+    from qad_pipeline.core.targets import parse
 
     return parse(target).gpu if target else None
 

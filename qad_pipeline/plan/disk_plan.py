@@ -112,7 +112,7 @@ def mlflow_store(root: Path) -> str:
 def dvc_terms(params: Params, root: Path, params_file: Path, overrides: list[str],
               outputs: int) -> tuple[int, str, int]:
     """(DVC cache bytes, where and why, local remote bytes) of the run's end (`dvc_remote.after_run`)."""
-    from qad_pipeline.platform.remote_config import configured_remote
+    from qad_pipeline.core.remote_config import configured_remote
 
     try:
         remote = configured_remote(params.versioning)

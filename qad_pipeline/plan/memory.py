@@ -68,8 +68,8 @@ class Capacity:
 
 
 def target_capacity(text: str) -> Capacity:
-    """What a node described as `text` (`8xH100-80GB`, see qad_pipeline/plan/targets.py) offers, HEADROOM applied."""
-    from qad_pipeline.plan.targets import parse
+    """What a node described as `text` (`8xH100-80GB`, see qad_pipeline/core/targets.py) offers, HEADROOM applied."""
+    from qad_pipeline.core.targets import parse
 
     try:
         node = parse(text)

@@ -30,7 +30,7 @@ def declared_limit(params: Params) -> int | None:
     if params.hardware.pool_gpus is not None:
         return params.hardware.pool_gpus
     if params.hardware.target:
-        from qad_pipeline.plan.targets import parse
+        from qad_pipeline.core.targets import parse
 
         return parse(params.hardware.target).count
     return None

@@ -1,5 +1,5 @@
 """After a run: its outputs committed to DVC and pushed to the configured remote (`versioning.remote`,
-or the environment's `QAD_DVC_REMOTE`: `qad_pipeline/platform/remote_config.py`). By hand, or to retry a
+or the environment's `QAD_DVC_REMOTE`: `qad_pipeline/core/remote_config.py`). By hand, or to retry a
 failed push: `qad-pipeline push --out-root <run folder>`.
 
 Two kinds of out-root, one remote named `qad`:
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from qad_pipeline.platform import versioning
 from qad_pipeline.core.config import ConfigError, Params
-from qad_pipeline.platform.remote_config import RemoteParams, configured_remote
+from qad_pipeline.core.remote_config import RemoteParams, configured_remote
 from qad_pipeline.core.stage_types import fill
 from qad_pipeline.core.stages import STAGES
 
