@@ -80,7 +80,7 @@ def main() -> None:
 
     from models import DEMO_MODEL, build_llama
 
-    from qad_pipeline.plan import memory
+    from qad_pipeline.plan import capacity, memory
     from qad_pipeline.core.config import load_params
 
     rows = []
@@ -88,7 +88,7 @@ def main() -> None:
         path = DEMO_MODEL if name == "demo" else build_llama(work / "llama-model")
         overrides = [f"base_model.path={path}", *COMMON, *MODELS[name]]
         params = load_params(ROOT / "params.yaml", overrides)
-        cap = memory.Capacity("cpu", 1 << 50)  # the estimates themselves, whatever this machine has free
+        cap = capacity.Capacity("cpu", 1 << 50)  # the estimates themselves, whatever this machine has free
         estimates = {e.stage: e for e in memory.plan(params, cap)}
         shape = memory.model_shape(params.base_model)
         print(f"{name}: {shape.params / 1e6:.1f}M parameters, vocabulary {shape.vocab}", flush=True)

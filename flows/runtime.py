@@ -197,7 +197,8 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.plan.memory import capacity, recipe_parallelism, settled
+    from qad_pipeline.plan.capacity import capacity
+    from qad_pipeline.plan.memory import recipe_parallelism, settled
     from qad_pipeline.core.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder

@@ -328,13 +328,13 @@ def plan_command(
     a stage cannot fit."""
     import json
 
-    from qad_pipeline.plan import disk_plan, memory, pools
+    from qad_pipeline.plan import capacity, disk_plan, memory, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
         check_recipes(params)
         node = target or params.hardware.target
-        cap = memory.target_capacity(node) if node else memory.capacity(params.hardware)
+        cap = capacity.target_capacity(node) if node else capacity.capacity(params.hardware)
         estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
         items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
         disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)

@@ -9,7 +9,7 @@ assumed MFU), not measurements. `tests/test_eval_costs.py` checks that docs/memo
 
 from __future__ import annotations
 
-from qad_pipeline.plan import costs, memory
+from qad_pipeline.plan import capacity, costs, memory
 from qad_pipeline.core.config import PROJECT_ROOT, load_params
 from qad_pipeline.plan.eval_costs import STANDARD, EvalCost, count_text, stage_cost, task_sizes
 from qad_pipeline.plan.memory_model import model_shape
@@ -37,7 +37,7 @@ def _stages(race: bool) -> dict[str, list[tuple[EvalCost, float]]]:
     """Per evaluating stage: (what it evaluates, GPU-hours) of each of its processes; the race's
     worst case under `race`, its best case under `race_best`."""
     params = load_params(PROFILE, [f"race.enabled={str(race).lower()}"])
-    cap = memory.target_capacity(params.hardware.target)
+    cap = capacity.target_capacity(params.hardware.target)
     shape, out = model_shape(params.base_model), {}
 
     def hours(cost: EvalCost, gpus: tuple) -> float:

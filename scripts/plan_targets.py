@@ -8,7 +8,7 @@ that docs/memory-plan.md's table is this script's output.
 
 from __future__ import annotations
 
-from qad_pipeline.plan import memory
+from qad_pipeline.plan import capacity, memory
 from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 from qad_pipeline.core.stages import with_sweep
 
@@ -20,7 +20,7 @@ GiB = 2**30
 
 def row(model: str, target: str) -> list[str]:
     params = load_params(PROFILE, [f"base_model.path={model}", "hardware.device_map=auto"])
-    cap = memory.target_capacity(target)
+    cap = capacity.target_capacity(target)
     estimates = memory.plan(params, cap)
     per_recipe = memory.settled(params, cap, with_sweep(params)).ptq.gpus_per_recipe
     ptq = [e for e in estimates if e.stage.startswith("ptq/")]

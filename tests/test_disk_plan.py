@@ -5,7 +5,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline.plan import costs, disk_plan, memory
+from qad_pipeline.plan import capacity, costs, disk_plan, memory
 from qad_pipeline.cli import app
 from qad_pipeline.core.config import PROJECT_PARAMS, PROJECT_ROOT, load_params
 from qad_pipeline.core.layout import OUT_ROOT_ENV
@@ -28,7 +28,7 @@ def terms(plan: disk_plan.DiskPlan) -> dict[str, int]:
 
 def planned(params_file, overrides=(), root=None):
     params = load_params(params_file, list(overrides))
-    estimates = memory.plan(params, memory.target_capacity("8xH100-80GB"))
+    estimates = memory.plan(params, capacity.target_capacity("8xH100-80GB"))
     return params, estimates, disk_plan.run_disk(estimates, params, root, params_file, list(overrides))
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from flows import recipe as recipe_flow
 from flows import runtime
-from qad_pipeline.plan import gpus, memory
+from qad_pipeline.plan import capacity, gpus, memory
 from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PARAMS = str(PROJECT_ROOT / "params.yaml")
@@ -76,7 +76,7 @@ def test_each_recipe_on_its_own_gpu_of_an_eight_gpu_node(node, tmp_path):
     # five recipes at once, each on the GPU the plan gave it
     assert {run["stage"][1]: run["env"]["CUDA_VISIBLE_DEVICES"] for run in runs} == {
         r: str(i) for i, r in enumerate(params.ptq.recipes)}
-    assert [(e.stage, e.gpus) for e in memory.plan(params, memory.capacity(params.hardware))] == list(job.placed)
+    assert [(e.stage, e.gpus) for e in memory.plan(params, capacity.capacity(params.hardware))] == list(job.placed)
     assert all(len(_devices(run)) == 1 for run in runs)
     _no_gpu_shared_at_once(runs)
     runtime.run_stage.fn("selection", None, job)  # loads no model: its environment is left alone
@@ -104,7 +104,7 @@ def test_gpus_per_recipe_spreads_each_recipe_over_its_own_gpus(node, tmp_path):
     runtime.run_stage.fn("baseline", None, job)  # device_map auto: every GPU
     assert [len(_devices(run)) for run in runs[-2:]] == [4, 8]
     # the plan says the same
-    rows = {e.stage: e for e in memory.plan(params, memory.capacity(params.hardware))}
+    rows = {e.stage: e for e in memory.plan(params, capacity.capacity(params.hardware))}
     assert [rows["ptq/" + r].gpus for r in params.ptq.recipes] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7"),
                                                                   ("0", "1")]
     assert (rows["ptq/" + params.ptq.recipes[0]].max_parallel, rows["qad"].gpus, rows["baseline"].gpus) == (
@@ -123,7 +123,7 @@ def test_a_worker_given_some_gpus_hands_out_those(node, tmp_path, monkeypatch):
     assert sorted(d for run in runs for d in _devices(run)) == sorted(s["devices"] for s in said)
     assert {s["devices"] for s in said} == {"3", "5"}
     _no_gpu_shared_at_once(runs)
-    cap = memory.capacity(params.hardware)
+    cap = capacity.capacity(params.hardware)
     rows = memory.plan(params, cap)
     assert [(e.stage, e.gpus) for e in rows[:4]] == [("calibration", ()), ("baseline", ("3",)),
                                                      ("ptq/" + params.ptq.recipes[0], ("3",)),

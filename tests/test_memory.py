@@ -9,12 +9,12 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from qad_pipeline.plan import memory
+from qad_pipeline.plan import capacity, memory
 from qad_pipeline.cli import app
 from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PARAMS = PROJECT_ROOT / "params.yaml"
-BIG = memory.Capacity("cpu", 1 << 50)  # the estimates alone, whatever this machine has free
+BIG = capacity.Capacity("cpu", 1 << 50)  # the estimates alone, whatever this machine has free
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_estimate_grows_with_the_model_and_shrinks_with_the_memory_knobs(config_
 
 
 def test_fsdp_divides_the_per_gpu_training_memory(config_only_model):
-    gpus = memory.Capacity("cuda", 1 << 50, (80 * memory.GiB,) * 8)
+    gpus = capacity.Capacity("cuda", 1 << 50, (80 * memory.GiB,) * 8)
     one = memory.estimate("qad", params_with(config_only_model, "qad.batch_size=1"), gpus)  # = rows per GPU of 8
     fsdp = memory.estimate("qad", params_with(config_only_model, "qad.num_gpus=8", "qad.sharding=fsdp"), gpus)
     ddp = memory.estimate("qad", params_with(config_only_model, "qad.num_gpus=8", "qad.sharding=ddp"), gpus)
@@ -110,7 +110,7 @@ def test_a_setting_that_cannot_fit_is_refused_with_the_knob_and_the_largest_valu
     assert result.exit_code == 2
     assert "qad.batch_size=256 at qad.seq_len 256 needs" in result.output
     fit = int(result.output.split("the largest that fits is ")[1].split()[0])
-    cap = memory.capacity(params_with(config_only_model, *overrides).hardware)
+    cap = capacity.capacity(params_with(config_only_model, *overrides).hardware)
     fitting = memory.estimate("qad", params_with(config_only_model, *overrides, f"qad.batch_size={fit}"), cap)
     too_big = memory.estimate("qad", params_with(config_only_model, *overrides, f"qad.batch_size={fit + 1}"), cap)
     assert 1 <= fit < 256 and fitting.host_bytes <= cap.host_bytes < too_big.host_bytes
@@ -118,7 +118,7 @@ def test_a_setting_that_cannot_fit_is_refused_with_the_knob_and_the_largest_valu
 
 def test_check_fits_raises_for_what_does_not_fit(config_only_model):
     memory.check_fits(memory.plan(params_with(config_only_model), BIG))
-    tiny = memory.Capacity("cpu", 610 * memory.MiB)
+    tiny = capacity.Capacity("cpu", 610 * memory.MiB)
     with pytest.raises(ConfigError, match=r"baseline: .*host memory.*even at batch size 1.*more host memory"):
         memory.check_fits(memory.plan(params_with(config_only_model), tiny))
 
@@ -127,34 +127,34 @@ def test_max_parallel_auto_on_cpu_fits_the_recipes_into_host_memory(config_only_
     p = params_with(config_only_model)
     peak = max(memory.estimate(f"ptq/{r}", p, BIG).host_bytes for r in p.ptq.recipes)
     for k in (1, 2, 3):
-        assert memory.recipe_parallelism(p, memory.Capacity("cpu", k * peak + peak // 2)) == k
+        assert memory.recipe_parallelism(p, capacity.Capacity("cpu", k * peak + peak // 2)) == k
     assert memory.recipe_parallelism(p, BIG) == len(p.ptq.recipes)
     assert memory.recipe_parallelism(params_with(config_only_model, "ptq.max_parallel=2"), BIG) == 2
     # hardware.host_memory_gb replaces what the machine has free
-    cap = memory.capacity(params_with(config_only_model, "hardware.host_memory_gb=4").hardware)
-    assert cap.host_bytes == int(4 * memory.GiB * memory.HEADROOM)
+    cap = capacity.capacity(params_with(config_only_model, "hardware.host_memory_gb=4").hardware)
+    assert cap.host_bytes == int(4 * memory.GiB * capacity.HEADROOM)
     # a fixed ptq.max_parallel that does not fit names the knob and what fits
-    two = memory.Capacity("cpu", 2 * peak + peak // 2)
+    two = capacity.Capacity("cpu", 2 * peak + peak // 2)
     with pytest.raises(ConfigError, match=r"ptq.max_parallel=5 .*the largest that fits is 2"):
         memory.check_fits(memory.plan(params_with(config_only_model, "ptq.max_parallel=5"), two))
 
 
 def test_max_parallel_auto_on_gpus_is_one_recipe_per_gpu(config_only_model):
     p = params_with(config_only_model)
-    four = memory.Capacity("cuda", 1 << 50, (80 * memory.GiB,) * 4)
+    four = capacity.Capacity("cuda", 1 << 50, (80 * memory.GiB,) * 4)
     assert memory.recipe_parallelism(p, four) == 4
     assert memory.recipe_parallelism(params_with(config_only_model, "hardware.device_map=auto"), four) == 1
-    busy = memory.Capacity("cuda", 1 << 50, (80 * memory.GiB, 1 * memory.MiB))
+    busy = capacity.Capacity("cuda", 1 << 50, (80 * memory.GiB, 1 * memory.MiB))
     assert memory.recipe_parallelism(p, busy) == 1
     # CUDA stages planned where no GPU is seen (a flow's control node) run on GPU workers: no check
-    elsewhere = memory.Capacity("cuda", 1 * memory.GiB)
+    elsewhere = capacity.Capacity("cuda", 1 * memory.GiB)
     huge = params_with(config_only_model, "qad.batch_size=4096")
     assert memory.recipe_parallelism(p, elsewhere) == len(p.ptq.recipes)
     memory.check_fits(memory.plan(huge, elsewhere))
 
 
 def test_a_stage_that_does_not_fit_one_gpu_is_refused_with_its_knob(config_only_model):
-    one_gpu = memory.Capacity("cuda", 1 << 50, (2 * memory.GiB,))
+    one_gpu = capacity.Capacity("cuda", 1 << 50, (2 * memory.GiB,))
     with pytest.raises(ConfigError, match=r"qad: qad.batch_size=512 at qad.seq_len 256 needs .* per GPU.*"
                                           r"the largest that fits is \d+"):
         memory.check_fits(memory.plan(params_with(config_only_model, "qad.batch_size=512"), one_gpu))

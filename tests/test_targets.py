@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qad_pipeline.core import targets
-from qad_pipeline.plan import memory
+from qad_pipeline.plan import capacity, memory
 from qad_pipeline.cli import app
 from qad_pipeline.core.config import PROJECT_ROOT, BaseModelParams, ConfigError, load_params
 from qad_pipeline.plan.memory_model import model_shape
@@ -63,7 +63,7 @@ def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_t
 def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():
     moe = CliRunner().invoke(app, ["plan", "--params", str(PROJECT_ROOT / "profiles" / "qwen3-30b-a3b_8xb200.yaml")])
     assert moe.exit_code == 0, moe.output
-    h100 = memory.target_capacity("8xH100-80GB")
+    h100 = capacity.target_capacity("8xH100-80GB")
     big = load_params(PROFILE_8B, ["base_model.path=meta-llama/Llama-3.1-70B", "qad.offload=true",
                                    "ptq.recipes=[nvfp4_4o6-mamba_fp8-kv_fp8]"])
     with pytest.raises(ConfigError, match=r"qad: qad.seq_len=8192 needs ~\d+.\d GiB per GPU, ~72.0 GiB is usable; "
@@ -82,8 +82,8 @@ def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():
 
 def test_a_model_larger_than_a_gpu_gets_the_fewest_gpus_it_fits_on():
     params = load_params(PROFILE_8B, ["base_model.path=Qwen/Qwen3-30B-A3B", "hardware.device_map=auto"])
-    assert memory.settled(params, memory.target_capacity("8xH100-80GB")).ptq.gpus_per_recipe == 2
-    assert memory.settled(params, memory.target_capacity("8xB200-180GB")).ptq.gpus_per_recipe == 1
+    assert memory.settled(params, capacity.target_capacity("8xH100-80GB")).ptq.gpus_per_recipe == 2
+    assert memory.settled(params, capacity.target_capacity("8xB200-180GB")).ptq.gpus_per_recipe == 1
 
 
 def test_the_docs_table_is_the_plan_of_the_shipped_configs():

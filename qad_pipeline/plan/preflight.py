@@ -76,7 +76,8 @@ def preflight(params: Params, out_root: Path, memory: bool = True, tracking: boo
     from qad_pipeline.core.calibration_data import check_calibration
     from qad_pipeline.platform.dvc_remote import check_out_root, remote_for
     from qad_pipeline.scoring.evaluation import check_tasks
-    from qad_pipeline.plan.memory import check_fits, plan, target_capacity
+    from qad_pipeline.plan.capacity import target_capacity
+    from qad_pipeline.plan.memory import check_fits, plan
     from qad_pipeline.core.modeling import check_base_model, check_model_files, load_tokenizer
     from qad_pipeline.nvfp4.recipes import check_recipe
     from qad_pipeline.core.stages import with_sweep
