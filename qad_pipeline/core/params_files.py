@@ -108,6 +108,7 @@ class ParamsFile:
     data: dict
     stated: dict
     parent: ParamsFile | None = None
+    inherited: dict | None = None  # the parent's data, its relative paths rebased onto this file's folder
 
     def source_of(self, keys: tuple, applied: dict | None = None) -> str:
         """The file that states the value at `keys` (this one, or the nearest parent that does); this
@@ -121,8 +122,7 @@ class ParamsFile:
 
     def changed(self) -> list[str]:
         """The `section.key`s whose values differ from the parent's (all of them without a parent)."""
-        base = rebased(self.parent.data, self.parent.path.resolve().parent, self.path.resolve().parent) \
-            if self.parent else {}
+        base = self.inherited or {}
         return [f"{section}.{key}" for section, keys in self.data.items() for key in (keys or {})
                 if not isinstance(base.get(section), dict) or key not in base[section]
                 or base[section][key] != keys[key]]
@@ -184,7 +184,7 @@ def read_params_file(path: Path, _seen: tuple[Path, ...] = ()) -> ParamsFile:
         raise ConfigError(f"{path}: extends {extends!r}, but there is no file {parent_path}")
     parent = read_params_file(parent_path, (*_seen, here))
     inherited = rebased(parent.data, parent_path.resolve().parent, here.parent)
-    return ParamsFile(path, merged(inherited, stated), stated, parent)
+    return ParamsFile(path, merged(inherited, stated), stated, parent, inherited)
 
 
 def merged(base: dict, over: dict) -> dict:
