@@ -82,6 +82,17 @@ def normalize(name: str) -> str:
     return match.group(1) if match else name.split(".")[-1] if "." in name else name
 
 
+def exported_keys(name: str) -> tuple[str, ...]:
+    """The normalized names under which the export holds in-memory layer `name`: fused experts'
+    `gate_up_proj` (one 3-D tensor in memory, transformers >= 5) is written per expert as the
+    `gate_proj` and `up_proj` the serving engines read."""
+    key = normalize(name)
+    if key.endswith(".experts.gate_up_proj"):
+        stem = key.removesuffix("gate_up_proj")
+        return stem + "gate_proj", stem + "up_proj"
+    return (key,)
+
+
 # -- the checks ---------------------------------------------------------------------------------
 
 
@@ -93,8 +104,8 @@ def check_formats(expected: dict[str, str], tensors: dict[str, torch.Tensor], qu
             exported[normalize(name)].add(tensor_format(name, tensors))
     problems = []
     for name, fmt in expected.items():
-        key = normalize(name)
-        got = exported.get(key)
+        held = [exported.get(key) for key in exported_keys(name)]
+        got = None if None in held else set().union(*held)
         if got is None:
             problems.append(f"{name}: expected {fmt}, missing from the export")
         elif got != {fmt} and not (fmt in ("bf16", "fp32", "fp16") and got <= {"bf16", "fp32", "fp16"}):

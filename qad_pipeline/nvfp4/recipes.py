@@ -17,6 +17,7 @@ import yaml
 
 from qad_pipeline.core.config import ConfigError, Params, yaml_error
 from qad_pipeline.core.modeling import tied_embeddings
+from qad_pipeline.nvfp4.roles import ROLES, expand_roles, unknown_roles
 
 
 def load_quantize_config(recipe_path: Path):
@@ -45,7 +46,7 @@ def check_recipe(recipe_path: Path, base_model=None) -> None:
         return
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # load_recipe prints "[load_recipe] loading: ..."
-            load_quantize_config(recipe_path)
+            unknown = unknown_roles(load_quantize_config(recipe_path).model_dump()["quant_cfg"])
     except yaml.YAMLError as err:
         raise ConfigError(yaml_error(err, f"recipe {recipe_path}")) from None
     except (ValueError, TypeError) as err:
@@ -57,10 +58,14 @@ def check_recipe(recipe_path: Path, base_model=None) -> None:
         else:
             problem = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(f"recipe {recipe_path}: not a valid Model Optimizer PTQ recipe: {problem}") from None
+    if unknown:
+        raise ConfigError(f"recipe {recipe_path}: <{unknown[0]}> in a quantizer_name is not a role; "
+                          f"roles are {', '.join(ROLES)}")
 
 
 def quantize_config(model, recipe_path: Path) -> dict:
-    """The recipe's Model Optimizer config for this model.
+    """The recipe's Model Optimizer config for this model: its `<role>` rules resolved on the
+    model's own modules (`qad_pipeline.nvfp4.roles`).
 
     A tied `lm_head` stays tied, in the embedding's dtype: it is the embedding table, which no
     serving engine reads in NVFP4, and quantizing it alone unties it in the export (an NVFP4
@@ -68,7 +73,8 @@ def quantize_config(model, recipe_path: Path) -> dict:
     """
     config = load_quantize_config(recipe_path).model_dump()
     if tied_embeddings(model):
-        config["quant_cfg"] = [*config["quant_cfg"], {"quantizer_name": "*lm_head*", "enable": False}]
+        config["quant_cfg"] = [*config["quant_cfg"], {"quantizer_name": "<lm_head>*", "enable": False}]
+    config["quant_cfg"] = expand_roles(config["quant_cfg"], model)
     return config
 
 
