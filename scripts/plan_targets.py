@@ -1,4 +1,4 @@
-"""The plan for four real models on two GPU nodes, as docs/memory-plan.md's table: `python scripts/plan_targets.py`.
+"""The plan for five real models on two GPU nodes, as docs/memory-plan.md's table: `python scripts/plan_targets.py`.
 
 Each model's config is the copy shipped in profiles/configs/ (no weights, no hub access); the
 settings are profiles/llama-3.1-8b_8xh100.yaml's with `hardware.device_map: auto`, so the plan
@@ -13,7 +13,8 @@ from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 from qad_pipeline.core.stages import with_sweep
 
 PROFILE = PROJECT_ROOT / "profiles" / "llama-3.1-8b_8xh100.yaml"
-MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-30B-A3B", "nvidia/Nemotron-H-8B-Base-8K"]
+MODELS = ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-30B-A3B", "nvidia/Nemotron-H-8B-Base-8K",
+          "google/gemma-3-27b-it"]
 TARGETS = ["8xH100-80GB", "8xB200-180GB"]
 GiB = 2**30
 

@@ -16,6 +16,8 @@ Model Optimizer calibrates one decoder layer at a time and checkpoints each fini
 `<out-root>/artifacts/ptq_layerwise/<recipe>/<key>/` (kept when the process is killed, removed
 once the outputs are written); run again, it resumes after the last finished layer, and scores.json
 records `layerwise: {layers, resumed_from_layer, checkpoints}` (`qad_pipeline/nvfp4/layerwise.py`).
+The MSE and four-over-six scale searches take each weight `ptq.mse_chunk_rows` rows at a time
+(`qad_pipeline/nvfp4/mse_chunks.py`): the same scales, memory bounded by the chunk.
 
 With `race.enabled` (racing the recipes), it scores only round 1's items (scores, items and KL
 cover them); the `race` stage (tasks/race.py) scores the later rounds of those still in contention.
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 from qad_pipeline.nvfp4 import layerwise
+from qad_pipeline.nvfp4.mse_chunks import chunked_mse
 from qad_pipeline.core.artifacts import read_json, staged_dir, write_json
 from qad_pipeline.core.calibration_data import load_calibration
 from qad_pipeline.core.config import Params
@@ -238,11 +241,12 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         if by_layer.resumed_from_layer:
             print(f"ptq {name}: resuming layerwise calibration at layer {by_layer.resumed_from_layer} "
                   f"of {by_layer.layers} from {folder}", flush=True)
-    if is_auto_quantize:
-        searched = auto_quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, params.base_model,
-                                       budget, search_state)
-    else:
-        quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, by_layer is not None, folder)
+    with chunked_mse(params.ptq.mse_chunk_rows):  # the MSE scale search a chunk of rows at a time, same result
+        if is_auto_quantize:
+            searched = auto_quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, params.base_model,
+                                           budget, search_state)
+        else:
+            quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, by_layer is not None, folder)
     share_fused_scales(model)
     quantize_s = time.time() - t0
     sizes = size_report(model)

@@ -32,11 +32,12 @@ def test_targets_are_read_with_their_defaults_and_bad_ones_name_the_form():
 
 
 def test_the_shipped_configs_have_the_published_sizes():
-    sizes = {m: model_shape(BaseModelParams(path=m)) for m in
-             ["meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-30B-A3B", "nvidia/Nemotron-H-8B-Base-8K"]}
-    billions = {m: round(s.params / 1e9, 1) for m, s in sizes.items()}
-    assert billions == {"meta-llama/Llama-3.1-8B": 8.0, "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen3-30B-A3B": 30.5,
-                        "nvidia/Nemotron-H-8B-Base-8K": 8.1}
+    published = {"meta-llama/Llama-3.1-8B": 8.0, "meta-llama/Llama-3.1-70B": 70.6, "Qwen/Qwen3-30B-A3B": 30.5,
+                 "nvidia/Nemotron-H-8B-Base-8K": 8.1, "google/gemma-3-27b-it": 27.4}  # Gemma: with its vision tower
+    sizes = {m: model_shape(BaseModelParams(path=m)) for m in published}
+    assert {m: round(s.params / 1e9, 1) for m, s in sizes.items()} == published
+    gemma = sizes["google/gemma-3-27b-it"]  # the text tower's shapes; one [vocab, hidden] matrix, tied
+    assert (gemma.vocab, gemma.layers, gemma.hidden, gemma.tied_embeddings) == (262_208, 62, 5376, True)
     # a MoE token goes through 8 of its 128 experts: ~3B active matrix weights of 30.5B
     assert 2.5e9 < sizes["Qwen/Qwen3-30B-A3B"].active_matrix_params < 3.5e9
     assert sizes["nvidia/Nemotron-H-8B-Base-8K"].mamba_layers == 24
@@ -58,6 +59,38 @@ def test_plan_of_the_8b_profile_for_its_node_passes_offline_with_gpus_disk_and_t
     assert "usable (target 8xH100-80GB)" in text and "not counted" not in text  # the standard suite is priced
     assert rows["baseline"]["evaluation"]["requests"] == 104_877 and rows["qad"]["evaluation"] is None
     assert "  final_eval" in text and "104,877 requests" in text
+
+
+@pytest.mark.parametrize("profile", sorted((PROJECT_ROOT / "profiles").glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_profile_plans_and_fits_on_its_target(profile):
+    params = load_params(profile)
+    assert params.hardware.target, f"{profile.name} names no hardware.target"
+    memory.check_fits(memory.plan(params, capacity.target_capacity(params.hardware.target)))
+
+
+def test_the_mse_search_is_priced_by_its_chunk_and_the_logits_by_the_vocabulary():
+    """The MSE recipe's scale search is a chunk of ptq.mse_chunk_rows rows, not the largest weight
+    (Llama-3.1-70B's LM head: ~87 GiB searched whole); QAD's KD logits are rows x seq_len x vocab x
+    float32 copies, and a tied embedding is gathered once."""
+    from qad_pipeline.plan.memory_model import KD_LOGIT_COPIES, MSE_SWEEP_COPIES, stage_phases
+
+    mse = ["ptq.recipes=[nvfp4_mse-mamba_fp8-kv_fp8]", "hardware.device_map=auto"]
+    big = load_params(PROFILE_8B, ["base_model.path=meta-llama/Llama-3.1-70B", *mse])
+    shape = model_shape(big.base_model)
+    search = next(p for p in stage_phases("ptq/nvfp4_mse-mamba_fp8-kv_fp8", big, shape, "cuda") if p.name == "mse_search")
+    assert search.transient["mse_search"] == 1024 * shape.widest_row * 4 * MSE_SWEEP_COPIES < 3 * 2**30
+    whole = load_params(PROFILE_8B, ["base_model.path=meta-llama/Llama-3.1-70B", *mse, "ptq.mse_chunk_rows=null"])
+    h100 = capacity.target_capacity("8xH100-80GB")
+    assert memory.estimate("ptq/nvfp4_mse-mamba_fp8-kv_fp8", whole, h100,
+                           shape).terms["mse_search"] == shape.largest_matrix * 4 * MSE_SWEEP_COPIES > 80 * 2**30
+    with pytest.raises(ConfigError, match=r"ptq/nvfp4_mse-mamba_fp8-kv_fp8: ptq.mse_chunk_rows=null needs ~87.1 GiB per "
+                                          r"GPU, ~72.0 GiB is usable; the largest that fits is \d+"):
+        memory.check_fits([e for e in memory.plan(whole, h100) if e.stage.startswith("ptq/")])
+    gemma = load_params(PROJECT_ROOT / "profiles" / "gemma-3_8xh100.yaml")
+    g = model_shape(gemma.base_model)
+    train = next(p for p in stage_phases("qad", gemma, g, "cuda") if p.name == "train")
+    assert train.transient["kd_logits"] == 1 * 4096 * 262_208 * 4 * KD_LOGIT_COPIES  # one row per GPU
+    assert train.resident["fsdp_gathered_root"] == 262_208 * 5376 * (4 + 2)
 
 
 def test_the_moe_profile_plans_and_a_setting_that_does_not_fit_names_its_knob():

@@ -102,6 +102,8 @@ class PTQParams(_Section):
     # Model Optimizer's layer-by-layer calibration, resumable (qad_pipeline/nvfp4/layerwise.py): auto = when
     # accelerate offloads part of the model (it does not fit the GPUs a recipe gets)
     layerwise: bool | Literal["auto"] = "auto"
+    # rows of a weight the MSE scale search takes at a time (qad_pipeline/nvfp4/mse_chunks.py); null: whole weights
+    mse_chunk_rows: int | None = Field(default=1024, gt=0)
 
     @field_validator("max_parallel", "gpus_per_recipe")
     @classmethod

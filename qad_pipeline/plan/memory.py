@@ -157,6 +157,12 @@ def _value(params: Params, knob: str):
     return getattr(getattr(params, section), key)
 
 
+def _bound(params: Params, knob: str) -> int:
+    """A knob's value as a size; null (ptq.mse_chunk_rows: whole weights) is unbounded."""
+    value = _value(params, knob)
+    return 2**31 if value is None else value
+
+
 def _fits(stage: str, params: Params, cap: Capacity, at_once: int) -> bool:
     est = estimate(stage, params, cap)
     est.max_parallel = at_once
@@ -166,8 +172,7 @@ def _fits(stage: str, params: Params, cap: Capacity, at_once: int) -> bool:
 def _largest(stage: str, params: Params, cap: Capacity, at_once: int, knob: str, step: int = 1) -> int | None:
     """The largest multiple of `step`, up to `knob`'s value, at which `stage` fits (binary search:
     every estimate grows with its knobs)."""
-    section, key = knob.split(".")
-    lo, hi = 1, getattr(getattr(params, section), key) // step
+    lo, hi = 1, _bound(params, knob) // step
     if hi < 1 or not _fits(stage, _with(params, knob, step), cap, at_once):
         return None
     while lo < hi:
@@ -206,13 +211,14 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
         for knob in sorted(knobs, key=lambda k: k != phase_knob):
             step = candidate.qad.processes if knob == "qad.batch_size" else 1  # rows split evenly over processes
             most = _largest(stage, candidate, cap, at_once, knob, step)
-            if most is not None and most < _value(candidate, knob):
+            if most is not None and most < _bound(candidate, knob):
                 return knob, most
         return None
 
     def lowered(knob: str, most: int) -> str:
         at = f" at qad.seq_len {params.qad.seq_len}" if knob == "qad.batch_size" else ""
-        return f"{knob}={_value(params, knob)}{at} {why}; the largest that fits is {most}"
+        value = "null" if _value(params, knob) is None else _value(params, knob)
+        return f"{knob}={value}{at} {why}; the largest that fits is {most}"
 
     found = knob_that_fits(params)
     if found:

@@ -24,13 +24,16 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       R the longest request: LM_EVAL_PROJECT_TOKENS for the project's tasks, else
                       LM_EVAL_FOREIGN_TOKENS (lm-eval's default), capped by the model's maximum
     calibrate         PTQ's forward loop: B_c·T_c·V·d logits + the forward + fake_quant;
-    mse_search        static recipes' per-block scale search: Nmax·4·MSE_COPIES, or
-                      Nmax·4·MSE_SWEEP_COPIES when it also sweeps the FP8 scale (fp8_scale_sweep)
+    mse_search        static recipes' per-block scale search: S·4·MSE_COPIES, or S·4·MSE_SWEEP_COPIES
+                      when it also sweeps the FP8 scale (fp8_scale_sweep), S the elements searched at
+                      once: ptq.mse_chunk_rows x the widest row, at most Nmax (null: Nmax, whole
+                      weights; qad_pipeline/nvfp4/mse_chunks.py), + mse_block_amax Nmax/16·4·3 when
+                      chunked (the largest weight's initial, chunked and concatenated block amax)
     qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (all four divided by
                       the W = qad.num_gpus x qad.num_nodes processes with fsdp, plus two gathered
-                      blocks and the gathered embeddings/LM head of both models, and on the host
-                      with qad.offload; ddp adds ddp_buckets N·4); loading under fsdp, the first
-                      process's host holds both whole models (rank0_ terms); + the
+                      blocks and the gathered embeddings/LM head of both models (V·H once when
+                      tied), and on the host with qad.offload; ddp adds ddp_buckets N·4); loading
+                      under fsdp, the first process's host holds both whole models (rank0_ terms); + the
                       fake-quantized weights saved for backward Nw·a + activations
                       L·b·T·(ACT_TRAIN_H·H + ACT_TRAIN_F·F)·a (gradient checkpointing: Nw·a/L and
                       L·b·T·H·a + one layer) + kd_logits b·T·V·4·KD_LOGIT_COPIES, b the rows per
@@ -81,7 +84,7 @@ LM_EVAL_FOREIGN_TOKENS = 2048     # lm-eval's default maximum length
 KD_LOGIT_COPIES = 8               # float32 [tokens, vocab] blocks through the KD loss and its backward
 FAKE_QUANT_COPIES = {"static": 2, "dynamic": 1}  # the CPU emulation's float32 temporaries (CUDA: 1)
 MSE_COPIES = 6
-MSE_SWEEP_COPIES = 22             # fitted: nvfp4_mse (fp8_scale_sweep) on the 100M Llama peaked at 2,957 MiB
+MSE_SWEEP_COPIES = 22             # fitted (whole weights): nvfp4_mse on the 100M Llama peaked at 2,957 MiB
 LOGIT_CHUNK_TOKENS = 2048         # = qad_pipeline.scoring.reference.LOGIT_CHUNK_TOKENS (that module imports torch)
 # CUDA, not measured: a process's context and workspaces per GPU, the host side of the CUDA
 # runtime, and transformers' default checkpoint shard (each is copied to the host while saving).
@@ -106,6 +109,8 @@ class ModelShape:
     mamba_layers: int = 0
     mamba_scan: int = 0  # chunk size x heads of the widest Mamba-2 mixer
     active_matrix_params: int = 0  # the matrix weights one token goes through (MoE: its experts only)
+    widest_row: int = 0  # the longest row (last dimension) of a matrix: what one row of a weight holds
+    tied_embeddings: bool = False  # the LM head is the input embedding (one [vocab, hidden] matrix, not two)
 
 
 # -- the model, from its config -------------------------------------------------------------------
@@ -123,7 +128,9 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
     with torch.device("meta"):  # every tensor on the meta device: shapes only, nothing allocated or read
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
     matrices = [p.numel() for p in model.parameters() if p.ndim >= 2 and p is not embeddings]
+    widest = max(p.shape[-1] for p in model.parameters() if p.ndim >= 2 and p is not embeddings)
     ffn = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
     if getattr(text, "num_experts_per_tok", None) and getattr(text, "moe_intermediate_size", None):
         shared = (getattr(text, "moe_shared_expert_intermediate_size", None)
@@ -141,7 +148,8 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
         largest_matrix=max(matrices), layers=text.num_hidden_layers, hidden=text.hidden_size, ffn=ffn,
         vocab=text.vocab_size, max_positions=max_positions(text), mamba_layers=len(mamba),
         mamba_scan=max((m.chunk_size * m.num_heads for m in mamba), default=0),
-        active_matrix_params=sum(matrices) - idle,
+        active_matrix_params=sum(matrices) - idle, widest_row=widest,
+        tied_embeddings=head is not None and head.weight is embeddings,
     )
 
 
@@ -255,6 +263,17 @@ def teacher_cache_phases(params: Params, shape: ModelShape, device: str, item: s
         * REFERENCE_WRITE_BYTES})]
 
 
+def _mse_search(params: Params, shape: ModelShape, recipe: str) -> dict[str, int]:
+    """The scale search over one chunk of `ptq.mse_chunk_rows` rows (or the largest weight whole)."""
+    copies = MSE_SWEEP_COPIES if scale_sweep(params.recipe_path(recipe)) else MSE_COPIES
+    rows = params.ptq.mse_chunk_rows
+    searched = shape.largest_matrix if rows is None else min(shape.largest_matrix, rows * shape.widest_row)
+    out = {"mse_search": searched * 4 * copies}
+    if searched < shape.largest_matrix:
+        out["mse_block_amax"] = shape.largest_matrix // 16 * 4 * 3
+    return out
+
+
 def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> list[Phase]:
     static = static_block_scales(params.recipe_path(recipe))
     resident, d = _weights(params, shape, static), DTYPE_BYTES[params.base_model.dtype]
@@ -262,8 +281,7 @@ def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> l
     phases = [Phase("calibrate", "ptq.calib_batch_size", resident, {
         "calib_logits": tokens * shape.vocab * d, **_forward(tokens, shape, d), **_fake_quant(shape, device, static)})]
     if static:
-        copies = MSE_SWEEP_COPIES if scale_sweep(params.recipe_path(recipe)) else MSE_COPIES
-        phases.append(Phase("mse_search", None, resident, {"mse_search": shape.largest_matrix * 4 * copies}))
+        phases.append(Phase("mse_search", "ptq.mse_chunk_rows", resident, _mse_search(params, shape, recipe)))
     return [*phases, *eval_phases(params, shape, device, resident, static),
             Phase("save", None, resident, host=_save_copy(params, shape, device))]
 
@@ -298,7 +316,8 @@ def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None 
     if sharded:
         both = 4 + (d if live else 0)  # the student's float32 and the teacher's bytes per parameter
         trained["fsdp_gathered_blocks"] = 2 * (n // shape.layers) * both  # two blocks of each
-        trained["fsdp_gathered_root"] = 2 * shape.vocab * shape.hidden * both  # embeddings and LM head
+        # the embeddings and the LM head (one matrix when tied, as Gemma's are)
+        trained["fsdp_gathered_root"] = (1 if shape.tied_embeddings else 2) * shape.vocab * shape.hidden * both
     per_layer = tokens * (ACT_TRAIN_H * shape.hidden + ACT_TRAIN_F * shape.ffn) * a
     mamba = tokens * shape.mamba_scan * 4 * MAMBA_COPIES
     # Autograd keeps every fake-quantized weight for backward (also where FSDP has resharded the
