@@ -73,3 +73,17 @@ def test_a_hub_dataset_is_streamed_at_its_revision_and_read_only_as_far_as_neede
     assert calls[1]["read"] == manifest["documents"] and len(windows) >= params.qad.batch_size
     # a hub id is no path for DVC: the calibration stage depends on its params (id, revision) only
     assert "${calibration.source}" not in dvc_yaml(params) and "${calibration.source}" in dvc_yaml(load_params())
+
+
+def test_windows_start_as_the_tokenizer_starts_a_text(demo_model_path):
+    """A tokenizer that puts BOS before every text (Llama 3, Gemma, Mistral) gets it at position 0 of
+    every window; one that puts nothing there (the demo's, GPT-2-style) gets plain windows."""
+    from qad_pipeline.core.calibration_data import token_windows
+
+    docs = ["the cat sat on the mat and looked at the door " * 8] * 4
+    plain = token_windows(docs, AutoTokenizer.from_pretrained(demo_model_path), 16)
+    with_bos = AutoTokenizer.from_pretrained(demo_model_path, add_bos_token=True)
+    windows = token_windows(docs, with_bos, 16)
+    assert windows.shape[1] == 16 and (windows[:, 0] == with_bos.bos_token_id).all()
+    assert (windows[0, 1:] == plain.reshape(-1)[:15]).all()  # then the same text, one token later per window
+    assert (plain[:, 0] != with_bos.bos_token_id).all()

@@ -81,3 +81,26 @@ def test_a_model_without_the_role_drops_its_rules_and_unknown_roles_are_refused(
     bad.write_text(Path(RECIPES / "nvfp4_max-mamba_fp8-kv_fp8.yaml").read_text().replace("'<router>*'", "'<routers>*'"))
     with pytest.raises(ConfigError, match=r"bad.yaml: <routers> in a quantizer_name is not a role"):
         check_recipe(bad)
+
+
+def test_an_expert_calibration_never_routes_to_still_gets_its_weight_scales(demo_model_path):
+    """The demo's MoE with expert 3's router bias at -1e4: no calibration token reaches it, and
+    Model Optimizer still calibrates its weights (per expert, from the weights themselves)."""
+    import modelopt.torch.quantization as mtq
+
+    model = T.AutoModelForCausalLM.from_pretrained(demo_model_path, dtype=torch.float32)
+    routed: set[int] = set()
+    for name, module in model.named_modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.data[3] = -1e4
+        if name.endswith("mixer.experts"):
+            module.register_forward_pre_hook(lambda m, args: routed.update(args[1].flatten().tolist()))
+    ids = torch.randint(5, 4000, (4, 64), generator=torch.Generator().manual_seed(0))
+    config = quantize_config(model, RECIPES / "nvfp4_max-mamba_fp8-kv_fp8.yaml")
+    mtq.quantize(model, config, lambda m: m(input_ids=ids))
+    assert routed == {0, 1, 2}
+    experts = [m for n, m in model.named_modules() if n.endswith("mixer.experts")]
+    for module in experts:
+        for kind in ("up_proj", "down_proj"):
+            amax = getattr(module, f"{kind}_weight_quantizers")[3].amax
+            assert amax is not None and bool(torch.isfinite(amax).all()) and float(amax.min()) > 0

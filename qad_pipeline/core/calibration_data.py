@@ -131,15 +131,29 @@ def split_documents(n_docs: int, eval_fraction: float, seed: int) -> tuple[list[
     return sorted(order[n_eval:]), sorted(order[:n_eval])
 
 
+def leading_special_tokens(tokenizer) -> list[int]:
+    """The tokens the tokenizer puts before any text (Llama 3's, Gemma's and Mistral's BOS; none for
+    GPT-2-style tokenizers): what the model saw first in every sequence it was trained on."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a")["input_ids"]
+    start = next((i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain), 0)
+    return list(full[:start])
+
+
 def token_windows(docs: list[str], tokenizer, seq_len: int) -> np.ndarray:
-    """Concatenate the documents (EOS between them) and cut non-overlapping windows of seq_len."""
+    """Concatenate the documents (EOS between them) and cut non-overlapping windows of seq_len, each
+    starting with the tokenizer's leading special tokens (a Gemma model without its BOS at position 0
+    is far off its trained distribution, and its calibration, KL and QAD would measure that)."""
     ids: list[int] = []
     for doc in docs:
         ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
         if tokenizer.eos_token_id is not None:
             ids.append(tokenizer.eos_token_id)
-    n = len(ids) // seq_len
-    return np.asarray(ids[: n * seq_len], dtype=np.int64).reshape(n, seq_len)
+    lead = leading_special_tokens(tokenizer)
+    body = seq_len - len(lead)
+    n = len(ids) // body
+    windows = np.asarray(ids[: n * body], dtype=np.int64).reshape(n, body)
+    return np.concatenate([np.tile(np.asarray(lead, dtype=np.int64), (n, 1)), windows], axis=1)
 
 
 def sample_windows(windows: np.ndarray, count: int, seed: int, what: str) -> np.ndarray:
