@@ -29,7 +29,7 @@ from qad_pipeline.core.layout import Layout, output_root
 from qad_pipeline.core.params_files import inheritance_line
 from qad_pipeline.plan.preflight import check_recipes, preflight
 from qad_pipeline.platform.runlock import NODE_ENV, TOKEN_ENV, run_lock
-from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING
+from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING, with_sweep
 from qad_pipeline.training.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
@@ -165,6 +165,7 @@ def stage(
             # pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
                       serving=declared is EXPORT, sweep=declared.gated_by(SWEEPING))
+        params = settled_here(params, sweep=declared.gated_by(SWEEPING))
     except ConfigError as err:
         fail(err)
 
@@ -289,6 +290,17 @@ def prefect_setup(
         typer.echo(line)
 
 
+def settled_here(params: Params, sweep: bool = False) -> Params:
+    """`params` with each `auto` settled by the memory plan for this machine, unless the run that
+    started this stage passed its plan's choices (then none is left)."""
+    if params.qad.settled and params.eval.batch_size != "auto":
+        return params
+    from qad_pipeline.plan.capacity import capacity
+    from qad_pipeline.plan.memory import settled
+
+    return settled(params, capacity(params.hardware), sweep=sweep)
+
+
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
     line = STAGES[name.value].run(params, layout, recipe)
     if line:
@@ -335,14 +347,16 @@ def plan_command(
         check_recipes(params)
         node = target or params.hardware.target
         cap = capacity.target_capacity(node) if node else capacity.capacity(params.hardware)
-        estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
+        chosen = memory.settled(params, cap, sweep=with_sweep(params))  # what `auto` stands for here
+        estimates, on_pool = memory.plan(params, cap), pools.plan_line(chosen)  # a Job its pool cannot give: refused
         items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
         disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)
         inherits = inheritance_line(params_file)  # a profile: what it extends, how much it changes
     except ConfigError as err:
         fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else "\n".join(filter(None, [inherits, memory.table(estimates, cap, params), disk.text(), on_pool])))
+               else "\n".join(filter(None, [inherits, memory.table(estimates, cap, params),
+                                             memory.settled_line(params, chosen), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

@@ -77,6 +77,7 @@ from qad_pipeline.training.distributed import (
     join_world,
     launch_processes,
     load_spread,
+    pinned,
     resume,
     save_checkpoint,
     trained_student,
@@ -93,8 +94,10 @@ from qad_pipeline.training.training_text import batch_indices, training_windows
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
 # under one setting resumes under another.
+# The micro-batch too (`auto` may choose another on a machine with more free memory): a step's rows
+# are drawn whole and split (`train_step`), so the run key holds only the rows a step takes.
 LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every", "offload", "num_nodes",
-               "rdzv_endpoint", "chunked_loss", "compile"}
+               "rdzv_endpoint", "chunked_loss", "compile", "batch_size", "grad_accum", "effective_batch_size"}
 
 
 class QADDiverged(StageError):
@@ -227,8 +230,9 @@ def train_step(s: QADStep, windows: np.ndarray, stream) -> torch.Tensor:
     clipping make the loss curve all but blind to the gradient's scale."""
     device = s.world.device if s.world.size > 1 else s.student_device
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(s.qad.grad_accum):
-        rows = s.world.rows(next(stream))  # this process's rows (window indices) of the global batch
+    step_rows, b = next(stream), s.qad.batch_size  # the step's rows (window indices), in micro-batches of b
+    for i in range(s.qad.grad_accum):
+        rows = s.world.rows(step_rows[i * b:(i + 1) * b])  # this process's rows of the micro-batch
         total += micro_step(s, rows, torch.from_numpy(windows[rows])).to(device)
     if s.world.size > 1:
         dist.all_reduce(total)
@@ -262,7 +266,13 @@ def compile_blocks(model) -> None:
 
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path,
             teacher_cache: Path | None = None) -> dict:
-    """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve."""
+    """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve.
+    An `auto` left in `params` (a call that no run settled) is settled for this machine first."""
+    if not params.qad.settled:
+        from qad_pipeline.plan.capacity import capacity
+        from qad_pipeline.plan.memory import settled
+
+        params = settled(params, capacity(params.hardware))
     qad = params.qad
     check_student_matches_teacher(student_dir, params)
     world = join_world(params)
@@ -295,11 +305,12 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     # A checkpoint resumes only the run that made it: same training parameters, same student files.
     student_files = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(student_dir.iterdir())]
     run_key = fingerprint([json.dumps(params.model_dump(include={"base_model", "qad"}, exclude={"qad": LAYOUT_KEYS}),
-                                      sort_keys=True), str(student_dir), *student_files])
+                                      sort_keys=True), str(qad.batch_size * qad.grad_accum), str(student_dir),
+                           *student_files])
     last = checkpoint_dir / CHECKPOINT
     start, losses = resume(last, world, student, optimizer, scheduler, run_key)
 
-    stream = batch_indices(len(windows), qad.batch_size, qad.seed, skip=start * qad.grad_accum)
+    stream = batch_indices(len(windows), qad.batch_size * qad.grad_accum, qad.seed, skip=start)
     started = time.time()
     bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step",
                disable=world.rank != 0)
@@ -341,6 +352,8 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "tokens_per_step": tokens_per_step,
         "tokens_per_second": (qad.steps - start) * tokens_per_step / seconds if seconds > 0 else None,
         "seconds": seconds,
+        "batch_size": qad.batch_size,
+        "grad_accum": qad.grad_accum,
         "world_size": world.size,
         "sharding": qad.sharding if world.size > 1 else None,
         "compute_dtype": compute_dtype,
@@ -373,7 +386,7 @@ def submit_nodes(params: Params, layout: Layout, cluster) -> None:
     from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
 
     token = json.loads((layout.root / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
-    command = ["qad-pipeline", *sys.argv[1:]]
+    command = ["qad-pipeline", *sys.argv[1:], *pinned(params)]
     run_trainjob(trainjob_manifest(params, command, str(layout.root.resolve()), token, cluster),
                  log=lambda line: print(line, flush=True))
 

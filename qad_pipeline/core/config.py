@@ -154,7 +154,7 @@ class EvalParams(_Section):
     num_cloze: int = Field(gt=0)
     num_continuation: int = Field(gt=0)
     limit: int | None = Field(default=None, gt=0)
-    batch_size: int = Field(gt=0)
+    batch_size: int | Literal["auto"]  # auto: the largest the memory plan fits, up to AUTO_EVAL_BATCH
     ppl_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     kl_top_k: int = Field(gt=0)
@@ -169,6 +169,11 @@ class EvalParams(_Section):
         if unlisted:
             raise ValueError(f"task_settings for {unlisted}, which eval.tasks does not list")
         return settings
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch(cls, value):
+        return _auto_or_positive(value)
 
     def settings(self, task: str) -> TaskSettings:
         return self.task_settings.get(task) or TaskSettings()
@@ -247,8 +252,11 @@ class QADParams(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(ge=0)
     weight_decay: float = Field(ge=0)
-    batch_size: int = Field(gt=0)
-    grad_accum: int = Field(gt=0)
+    # auto (`batch_size`, `grad_accum`, `num_gpus`): settled by the memory plan (qad_pipeline/plan/memory.py,
+    # `settled`) before any stage reads them
+    batch_size: int | Literal["auto"]  # rows per micro-batch, over all processes
+    grad_accum: int | Literal["auto"] = Field(default="auto", validate_default=True)  # micro-batches per step
+    effective_batch_size: int = Field(default=8, gt=0)  # rows per optimizer step when batch_size is auto
     seq_len: int = Field(gt=0)
     temperature: float = Field(gt=0)
     source: str | None = None
@@ -256,7 +264,7 @@ class QADParams(_Section):
     seed: int = 0
     compute_dtype: Literal["auto", "bfloat16", "float32"]
     gradient_checkpointing: bool
-    num_gpus: int = Field(ge=1)  # processes (GPUs) per node
+    num_gpus: int | Literal["auto"]  # processes (GPUs) per node; auto: the fewest that fit (one on a CPU)
     sharding: Literal["ddp", "fsdp"]
     num_nodes: int = Field(default=1, ge=1)
     offload: bool = False  # FSDP2's CPU offload: sharded parameters, gradients and AdamW state on the host
@@ -269,16 +277,62 @@ class QADParams(_Section):
 
     @property
     def processes(self) -> int:  # on all nodes
+        if self.num_gpus == "auto":
+            raise ConfigError("qad.num_gpus is auto here: settle the params first (qad_pipeline.plan.memory.settled)")
         return self.num_gpus * self.num_nodes
+
+    @property
+    def settled(self) -> bool:
+        """No `auto` is left for the memory plan to settle."""
+        return "auto" not in (self.batch_size, self.grad_accum, self.num_gpus)
+
+    @field_validator("batch_size", "num_gpus", mode="before")
+    @classmethod
+    def _auto_or_count(cls, value):
+        return _auto_or_positive(value)
+
+    @field_validator("grad_accum", mode="before")
+    @classmethod
+    def _accumulation(cls, value, info):
+        value, batch = _auto_or_positive(value), info.data.get("batch_size")
+        if batch == "auto" and value != "auto":
+            raise ValueError("must be auto with qad.batch_size auto (the plan chooses both so that batch_size x "
+                             "grad_accum = qad.effective_batch_size); set qad.effective_batch_size instead")
+        return 1 if value == "auto" and batch not in ("auto", None) else value  # an explicit batch: no accumulation
 
     @field_validator("offload")
     @classmethod
     def _offload(cls, offload: bool, info) -> bool:
-        n, sharding = info.data.get("num_gpus", 1) * info.data.get("num_nodes", 1), info.data.get("sharding")
+        gpus, sharding = info.data.get("num_gpus", 1), info.data.get("sharding")
+        n = "auto" if gpus == "auto" else gpus * info.data.get("num_nodes", 1)
         if offload and (sharding != "fsdp" or n == 1):
             raise ValueError(f"offload: true needs sharding: fsdp and more than one process (num_gpus x num_nodes "
                              f"is {n}, sharding is {sharding})")
         return offload
+
+
+AUTO_KEYS = ("qad.num_gpus", "qad.batch_size", "qad.grad_accum", "eval.batch_size")  # what `auto` may stand for
+
+
+def settled_overrides(raw: Params, settled: Params) -> list[str]:
+    """The values the memory plan chose for the keys `raw` leaves at `auto`, as `section.key=value`
+    overrides: what a run passes on to its stage processes (and the QAD stage to its torchrun
+    processes), so that each uses the plan's choice rather than choosing again."""
+    out = []
+    for key in AUTO_KEYS:
+        section, name = key.split(".")
+        if getattr(getattr(raw, section), name) == "auto":
+            out.append(f"{key}={getattr(getattr(settled, section), name)}")
+    return out
+
+
+def _auto_or_positive(value):
+    """`auto` or a positive integer (YAML's `8`, an override's "8"); anything else is refused."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"must be auto or a positive integer, got {value!r}")
 
 
 class ExportParams(_Section):

@@ -150,6 +150,14 @@ def trainjob_command(
         tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu_toleration else []
         cluster = Cluster(image=image, namespace=namespace, runtime=runtime, node_selector=selector,
                           tolerations=tolerations)
+        if not params.qad.settled:  # every node must use one choice: the plan's for hardware.target (else here)
+            from qad_pipeline.core.config import settled_overrides
+            from qad_pipeline.plan.capacity import capacity, target_capacity
+            from qad_pipeline.plan.memory import settled
+
+            node = params.hardware.target
+            chosen = settled(params, target_capacity(node) if node else capacity(params.hardware))
+            items, params = [*items, *settled_overrides(params, chosen)], chosen
         command = QAD.command(params_file=str(params_file), out_root=str(out_root), overrides=items)
         manifest = trainjob_manifest(params, command, str(out_root), holder["token"], cluster)
     except ConfigError as err:  # as the CLI's other commands refuse: one line, exit 2
