@@ -57,7 +57,7 @@ class Job:
     gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.plan.gpus)
     placed: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (summary key, the GPUs it claims first: gpus.layout)
     job_gpus: tuple[tuple[str, int], ...] = ()  # (summary key, the GPUs its Job on a pool asks for: qad_pipeline.plan.pools)
-    settled: tuple[str, ...] = ()  # what the memory plan chose for the `auto` keys, as overrides (config.settled_overrides)
+    settled: tuple[str, ...] = ()  # what the memory plan chose for the `auto` keys, as overrides (memory.settled_overrides)
 
     @property
     def stage_overrides(self) -> list[str]:
@@ -204,9 +204,8 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.core.config import settled_overrides
     from qad_pipeline.plan.capacity import capacity, target_capacity
-    from qad_pipeline.plan.memory import recipe_parallelism, settled
+    from qad_pipeline.plan.memory import recipe_parallelism, settled, settled_overrides
     from qad_pipeline.core.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder

@@ -27,6 +27,7 @@ from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
 from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.core.layout import Layout, output_root
 from qad_pipeline.core.params_files import inheritance_line
+from qad_pipeline.plan import memory
 from qad_pipeline.plan.preflight import check_recipes, preflight
 from qad_pipeline.platform.runlock import NODE_ENV, TOKEN_ENV, run_lock
 from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING, with_sweep
@@ -165,7 +166,7 @@ def stage(
             # pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
                       serving=declared is EXPORT, sweep=declared.gated_by(SWEEPING))
-        params = settled_here(params, sweep=declared.gated_by(SWEEPING))
+        params = memory.settled_here(params, sweep=declared.gated_by(SWEEPING))  # each `auto` a run left
     except ConfigError as err:
         fail(err)
 
@@ -290,17 +291,6 @@ def prefect_setup(
         typer.echo(line)
 
 
-def settled_here(params: Params, sweep: bool = False) -> Params:
-    """`params` with each `auto` settled by the memory plan for this machine, unless the run that
-    started this stage passed its plan's choices (then none is left)."""
-    if params.qad.settled and params.eval.batch_size != "auto":
-        return params
-    from qad_pipeline.plan.capacity import capacity
-    from qad_pipeline.plan.memory import settled
-
-    return settled(params, capacity(params.hardware), sweep=sweep)
-
-
 def run_stage(name: Stage, params: Params, layout: Layout, recipe: str | None = None) -> None:
     line = STAGES[name.value].run(params, layout, recipe)
     if line:
@@ -340,7 +330,7 @@ def plan_command(
     a stage cannot fit."""
     import json
 
-    from qad_pipeline.plan import capacity, disk_plan, memory, pools
+    from qad_pipeline.plan import capacity, disk_plan, plan_table, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
@@ -355,8 +345,8 @@ def plan_command(
     except ConfigError as err:
         fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else "\n".join(filter(None, [inherits, memory.table(estimates, cap, params),
-                                             memory.settled_line(params, chosen), disk.text(), on_pool])))
+               else "\n".join(filter(None, [inherits, plan_table.table(estimates, cap, params),
+                                             plan_table.settled_line(params, chosen), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

@@ -77,9 +77,9 @@ from qad_pipeline.training.distributed import (
     join_world,
     launch_processes,
     load_spread,
-    pinned,
     resume,
     save_checkpoint,
+    submit_nodes,
     trained_student,
 )
 from qad_pipeline.core.layout import Layout
@@ -94,8 +94,7 @@ from qad_pipeline.training.training_text import batch_indices, training_windows
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
 # under one setting resumes under another.
-# The micro-batch too (`auto` may choose another on a machine with more free memory): a step's rows
-# are drawn whole and split (`train_step`), so the run key holds only the rows a step takes.
+# And the micro-batch (auto may choose another): steps are drawn whole, the run key holds their rows.
 LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every", "offload", "num_nodes",
                "rdzv_endpoint", "chunked_loss", "compile", "batch_size", "grad_accum", "effective_batch_size"}
 
@@ -267,12 +266,9 @@ def compile_blocks(model) -> None:
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path,
             teacher_cache: Path | None = None) -> dict:
     """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve.
-    An `auto` left in `params` (a call that no run settled) is settled for this machine first."""
+    `params` come settled (`qad-pipeline stage` settles each `auto` for its machine, a run passes its plan's)."""
     if not params.qad.settled:
-        from qad_pipeline.plan.capacity import capacity
-        from qad_pipeline.plan.memory import settled
-
-        params = settled(params, capacity(params.hardware))
+        raise ConfigError("QAD's params hold auto: settle them first (qad_pipeline.plan.memory.settled_here)")
     qad = params.qad
     check_student_matches_teacher(student_dir, params)
     world = join_world(params)
@@ -352,8 +348,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "tokens_per_step": tokens_per_step,
         "tokens_per_second": (qad.steps - start) * tokens_per_step / seconds if seconds > 0 else None,
         "seconds": seconds,
-        "batch_size": qad.batch_size,
-        "grad_accum": qad.grad_accum,
+        "batch_size": qad.batch_size, "grad_accum": qad.grad_accum,
         "world_size": world.size,
         "sharding": qad.sharding if world.size > 1 else None,
         "compute_dtype": compute_dtype,
@@ -378,19 +373,6 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     return result
 
 
-def submit_nodes(params: Params, layout: Layout, cluster) -> None:
-    """Run this stage's own command on qad.num_nodes nodes as a TrainJob and wait for it."""
-    import sys
-
-    from qad_pipeline.platform.runlock import LOCK_NAME
-    from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
-
-    token = json.loads((layout.root / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
-    command = ["qad-pipeline", *sys.argv[1:], *pinned(params)]
-    run_trainjob(trainjob_manifest(params, command, str(layout.root.resolve()), token, cluster),
-                 log=lambda line: print(line, flush=True))
-
-
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str | None:
     """The QAD stage: `qad-pipeline stage qad`; with qad.num_gpus > 1, torchrun runs this same
     command in that many processes."""
@@ -402,7 +384,7 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
         if cluster is None:  # torchrun here: this node's processes (joined with the others' with num_nodes > 1)
             launch_processes(params, layout.root)
         else:  # a pod of a cluster: the same command on num_nodes nodes, as a Kubeflow TrainJob
-            submit_nodes(params, layout, cluster)
+            submit_nodes(params, layout.root, cluster)
         return None
     result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints,
                      layout.teacher_cache)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from qad_pipeline.core.params_files import ConfigError as ConfigError
 from qad_pipeline.core.params_files import StageError as StageError
@@ -30,6 +30,18 @@ DEFAULT_PARAMS = Path("params.yaml")  # what the CLI and the flows read unless t
 # dvc.yaml sits), whatever the working directory; load_params records that folder here.
 _params_root: Path | None = None
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _auto_or_positive(value):
+    """`auto` or a positive integer (YAML's `8`, an override's "8"); anything else is refused."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"must be auto or a positive integer, got {value!r}")
+
+
+AutoOrCount = Annotated[int | Literal["auto"], BeforeValidator(_auto_or_positive)]
 
 
 class _Section(BaseModel):
@@ -154,7 +166,7 @@ class EvalParams(_Section):
     num_cloze: int = Field(gt=0)
     num_continuation: int = Field(gt=0)
     limit: int | None = Field(default=None, gt=0)
-    batch_size: int | Literal["auto"]  # auto: the largest the memory plan fits, up to AUTO_EVAL_BATCH
+    batch_size: AutoOrCount  # auto: the largest the memory plan fits, up to memory.AUTO_EVAL_BATCH
     ppl_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     kl_top_k: int = Field(gt=0)
@@ -169,11 +181,6 @@ class EvalParams(_Section):
         if unlisted:
             raise ValueError(f"task_settings for {unlisted}, which eval.tasks does not list")
         return settings
-
-    @field_validator("batch_size", mode="before")
-    @classmethod
-    def _batch(cls, value):
-        return _auto_or_positive(value)
 
     def settings(self, task: str) -> TaskSettings:
         return self.task_settings.get(task) or TaskSettings()
@@ -252,9 +259,8 @@ class QADParams(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(ge=0)
     weight_decay: float = Field(ge=0)
-    # auto (`batch_size`, `grad_accum`, `num_gpus`): settled by the memory plan (qad_pipeline/plan/memory.py,
-    # `settled`) before any stage reads them
-    batch_size: int | Literal["auto"]  # rows per micro-batch, over all processes
+    # auto (`batch_size`, `grad_accum`, `num_gpus`): settled by the memory plan (memory.settled) before use
+    batch_size: AutoOrCount  # rows per micro-batch, over all processes
     grad_accum: int | Literal["auto"] = Field(default="auto", validate_default=True)  # micro-batches per step
     effective_batch_size: int = Field(default=8, gt=0)  # rows per optimizer step when batch_size is auto
     seq_len: int = Field(gt=0)
@@ -264,7 +270,7 @@ class QADParams(_Section):
     seed: int = 0
     compute_dtype: Literal["auto", "bfloat16", "float32"]
     gradient_checkpointing: bool
-    num_gpus: int | Literal["auto"]  # processes (GPUs) per node; auto: the fewest that fit (one on a CPU)
+    num_gpus: AutoOrCount  # processes (GPUs) per node; auto: the fewest that fit (one on a CPU)
     sharding: Literal["ddp", "fsdp"]
     num_nodes: int = Field(default=1, ge=1)
     offload: bool = False  # FSDP2's CPU offload: sharded parameters, gradients and AdamW state on the host
@@ -282,14 +288,8 @@ class QADParams(_Section):
         return self.num_gpus * self.num_nodes
 
     @property
-    def settled(self) -> bool:
-        """No `auto` is left for the memory plan to settle."""
+    def settled(self) -> bool:  # no `auto` left for the memory plan to settle
         return "auto" not in (self.batch_size, self.grad_accum, self.num_gpus)
-
-    @field_validator("batch_size", "num_gpus", mode="before")
-    @classmethod
-    def _auto_or_count(cls, value):
-        return _auto_or_positive(value)
 
     @field_validator("grad_accum", mode="before")
     @classmethod
@@ -309,30 +309,6 @@ class QADParams(_Section):
             raise ValueError(f"offload: true needs sharding: fsdp and more than one process (num_gpus x num_nodes "
                              f"is {n}, sharding is {sharding})")
         return offload
-
-
-AUTO_KEYS = ("qad.num_gpus", "qad.batch_size", "qad.grad_accum", "eval.batch_size")  # what `auto` may stand for
-
-
-def settled_overrides(raw: Params, settled: Params) -> list[str]:
-    """The values the memory plan chose for the keys `raw` leaves at `auto`, as `section.key=value`
-    overrides: what a run passes on to its stage processes (and the QAD stage to its torchrun
-    processes), so that each uses the plan's choice rather than choosing again."""
-    out = []
-    for key in AUTO_KEYS:
-        section, name = key.split(".")
-        if getattr(getattr(raw, section), name) == "auto":
-            out.append(f"{key}={getattr(getattr(settled, section), name)}")
-    return out
-
-
-def _auto_or_positive(value):
-    """`auto` or a positive integer (YAML's `8`, an override's "8"); anything else is refused."""
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        return value
-    if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
-        return int(value)
-    raise ValueError(f"must be auto or a positive integer, got {value!r}")
 
 
 class ExportParams(_Section):

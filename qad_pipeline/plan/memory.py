@@ -7,6 +7,9 @@
 settings and the recipes. `check_fits(plan(params))`, which the preflight of every run calls,
 refuses a setting that cannot fit, naming the knob to turn and the largest value that fits.
 `recipe_parallelism(params)` is how many PTQ recipes `ptq.max_parallel: auto` runs at once.
+`settled(params, cap)` chooses what the other `auto` settings stand for: QAD's GPUs (the fewest it
+fits on) and micro-batch (the largest that fits, accumulated to `qad.effective_batch_size` rows a
+step), the GPUs a recipe's model spreads over, eval's batch. `qad_pipeline.plan.plan_table` prints it.
 
 The estimate of each phase, term by term, is `qad_pipeline.plan.memory_model` (its docstring has the
 formula and where its constants were fitted).
@@ -17,12 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from qad_pipeline.plan import costs, eval_costs, gpus
-from qad_pipeline.plan.capacity import HEADROOM, Capacity, capacity
-from qad_pipeline.core.config import ConfigError, Params, settled_overrides
+from qad_pipeline.plan.capacity import Capacity, capacity
+from qad_pipeline.core.config import ConfigError, Params
 from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
-from qad_pipeline.reporting.report import aligned
-from qad_pipeline.core.stages import RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
+from qad_pipeline.core.stages import QAD, RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
 
 @dataclass
 class StageEstimate:
@@ -245,6 +247,21 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
             f"{largest} {_gib(est.terms[largest])} in its {est.phase} phase); use {where}")
 
 
+AUTO_KEYS = ("qad.num_gpus", "qad.batch_size", "qad.grad_accum", "eval.batch_size")  # what `auto` may stand for
+
+
+def settled_overrides(raw: Params, chosen: Params) -> list[str]:
+    """The values the memory plan chose for the keys `raw` leaves at `auto`, as `section.key=value`
+    overrides: what a run passes on to its stage processes (and the QAD stage to its torchrun
+    processes), so that each uses the plan's choice rather than choosing again."""
+    out = []
+    for key in AUTO_KEYS:
+        section, name = key.split(".")
+        if getattr(getattr(raw, section), name) == "auto":
+            out.append(f"{key}={getattr(getattr(chosen, section), name)}")
+    return out
+
+
 AUTO_EVAL_BATCH = 32  # eval.batch_size auto's ceiling (params.yaml's comment says it): more rows buy little
 
 
@@ -256,6 +273,15 @@ def settled(params: Params, cap: Capacity, sweep: bool = False) -> Params:
     params = _settled_qad(params, cap)
     at_one = _with(params, "eval.batch_size", 1) if params.eval.batch_size == "auto" else params
     return _settled_eval(_with(params, "ptq.gpus_per_recipe", _recipe_gpus(at_one, cap, sweep)), cap, sweep)
+
+
+def settled_here(params: Params, sweep: bool = False) -> Params:
+    """`params` settled for this machine (`settled`), unless nothing is left at `auto` (a run passed
+    its plan's choices on: `settled_overrides`)."""
+    if params.qad.settled and params.eval.batch_size != "auto" and (
+            params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto"):
+        return params
+    return settled(params, capacity(params.hardware), sweep)
 
 
 def _recipe_gpus(params: Params, cap: Capacity, sweep: bool) -> int | str:
@@ -282,7 +308,7 @@ def _micro_batches(params: Params) -> list[int]:
 def _with_batch(params: Params, rows: int) -> Params:
     q = params.qad
     accum = q.effective_batch_size // rows if q.batch_size == "auto" else q.grad_accum
-    return params.model_copy(update={"qad": q.model_copy(update={"batch_size": rows, "grad_accum": accum})})
+    return _with(_with(params, "qad.batch_size", rows), "qad.grad_accum", accum)
 
 
 def _settled_qad(params: Params, cap: Capacity) -> Params:
@@ -305,7 +331,7 @@ def _settled_qad(params: Params, cap: Capacity) -> Params:
                           f"qad.num_gpus = {q.num_gpus} x qad.num_nodes = {q.num_nodes} processes; make it a multiple")
     for k, rows in choices:
         on_k = _with(params, "qad.num_gpus", k)
-        fitting = [m for m in rows if _fits("qad", _with_batch(on_k, m), cap, k)]
+        fitting = [m for m in rows if _fits(QAD.name, _with_batch(on_k, m), cap, k)]
         if fitting:
             return _with_batch(on_k, max(fitting))
     k, rows = choices[-1]
@@ -321,16 +347,6 @@ def _settled_eval(params: Params, cap: Capacity, sweep: bool) -> Params:
     top = _with(params, "eval.batch_size", AUTO_EVAL_BATCH)
     most = min((_largest(key, top, cap, 1, "eval.batch_size") or 1 for key in evaluating), default=AUTO_EVAL_BATCH)
     return _with(params, "eval.batch_size", most)
-
-
-def settled_line(params: Params, chosen: Params) -> str | None:
-    """What the plan chose for the keys `params` leaves at `auto`, as the plan prints it (None: none)."""
-    picks = settled_overrides(params, chosen)
-    if not picks:
-        return None
-    q = chosen.qad
-    step = f" ({q.batch_size} x {q.grad_accum} = {q.batch_size * q.grad_accum} rows a step)" if params.qad.batch_size == "auto" else ""
-    return f"chosen for auto: {', '.join(picks)}{step}"
 
 
 def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
@@ -364,48 +380,3 @@ def check_fits(estimates: list[StageEstimate]) -> None:
     for est in estimates:
         if not est.fits:
             raise ConfigError(est.advice)
-
-
-def run_seconds(estimates: list[StageEstimate]) -> float | None:
-    """The run's estimated wall time: the longest path through the stages' `after` edges, a
-    per-item stage taking its items in waves of `max_parallel` (None: no time estimate)."""
-    if any(e.seconds is None for e in estimates):
-        return None
-    took: dict[str, list[float]] = {}
-    for e in estimates:
-        took.setdefault(e.stage.split("/")[0], []).append(e.seconds)
-    at_once = {e.stage.split("/")[0]: e.max_parallel for e in estimates}
-    done: dict[str, float] = {}
-    for name, times in took.items():  # in the registry's order: every stage after the ones it waits for
-        waves = -(-len(times) // max(1, at_once[name])) if STAGES[name].per_recipe else 1
-        done[name] = max((done.get(a, 0.0) for a in STAGES[name].after), default=0.0) + waves * max(times)
-    return max(done.values())
-
-
-def time_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None = None) -> str:
-    """The plan as a text table, then what the machine (or target) offers and the time (the disk in
-    all: `disk_plan`)."""
-    mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
-    gib = lambda b: f"{b / GiB:,.1f}" if b else "-"  # noqa: E731
-    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "disk GiB", "time", "fits")]
-    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), gpus.shown(e.gpus), str(e.max_parallel),
-              gib(e.disk_bytes), time_text(e.seconds), "yes" if e.fits else "NO") for e in estimates]
-    lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
-    seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
-    where = f"target {cap.target}" if cap.target else f"{HEADROOM:.0%} of what is free"
-    lines.append(f"usable ({where}): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; the stages run on {cap.device}")
-    total = run_seconds(estimates)
-    left_out = eval_costs.uncounted_tasks(params) if params is not None else []
-    if total is not None:
-        qad_mfu, source = costs.train_mfu(costs.target_gpu(cap.target))
-        lines.append(f"time: ~{time_text(total)} along the DAG (MFU {costs.EVAL_MFU:.0%} forward, assumed; "
-                     f"{qad_mfu:.0%} QAD, {source}; see qad_pipeline/plan/costs.py)"
-                     + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
-    lines += costs.eval_lines(estimates, params, cap.bf16_flops) if params is not None else []
-    return "\n".join(lines)

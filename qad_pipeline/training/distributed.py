@@ -97,6 +97,18 @@ def launch_processes(params: Params, out_root: Path) -> None:
         raise StageError(f"qad: the torchrun processes failed (exit code {code}); the failing one's error is above")
 
 
+def submit_nodes(params: Params, out_root: Path, cluster) -> None:
+    """Run this process's own `qad-pipeline stage qad` command on `qad.num_nodes` nodes as a Kubeflow
+    TrainJob (`qad_pipeline.training.trainjob`) and wait for it."""
+    from qad_pipeline.platform.runlock import LOCK_NAME
+    from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
+
+    token = json.loads((Path(out_root) / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
+    command = ["qad-pipeline", *sys.argv[1:], *pinned(params)]
+    run_trainjob(trainjob_manifest(params, command, str(Path(out_root).resolve()), token, cluster),
+                 log=lambda line: print(line, flush=True))
+
+
 def pinned(params: Params) -> list[str]:
     """`--set` options that pin QAD's settled GPUs and batches: the processes this one starts (torchrun's,
     a TrainJob's) use this process's choice instead of settling `auto` again with less memory free."""

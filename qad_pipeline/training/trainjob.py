@@ -74,6 +74,9 @@ def trainjob_manifest(params: Params, command: list[str], out_root: str, token: 
     if q.num_nodes < 2:
         raise ConfigError(f"qad.num_nodes = {q.num_nodes}: a TrainJob is for QAD on several nodes; one node runs "
                           "as a stage of the qad-gpu pool")
+    if not q.settled:  # every node must run one choice: the plan's, stated
+        raise ConfigError("qad.num_gpus, qad.batch_size or qad.grad_accum is auto: a TrainJob's nodes must share one "
+                          "choice; set them (`qad-pipeline plan` prints what auto chooses)")
     if not out_root.startswith("/"):
         raise ConfigError(f"out-root {out_root!r} must be an absolute path on the shared volume (e.g. "
                           f"{PROJECT_DIR}/runs/<name>), the same on every node")
@@ -150,14 +153,6 @@ def trainjob_command(
         tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}] if gpu_toleration else []
         cluster = Cluster(image=image, namespace=namespace, runtime=runtime, node_selector=selector,
                           tolerations=tolerations)
-        if not params.qad.settled:  # every node must use one choice: the plan's for hardware.target (else here)
-            from qad_pipeline.core.config import settled_overrides
-            from qad_pipeline.plan.capacity import capacity, target_capacity
-            from qad_pipeline.plan.memory import settled
-
-            node = params.hardware.target
-            chosen = settled(params, target_capacity(node) if node else capacity(params.hardware))
-            items, params = [*items, *settled_overrides(params, chosen)], chosen
         command = QAD.command(params_file=str(params_file), out_root=str(out_root), overrides=items)
         manifest = trainjob_manifest(params, command, str(out_root), holder["token"], cluster)
     except ConfigError as err:  # as the CLI's other commands refuse: one line, exit 2
