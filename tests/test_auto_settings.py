@@ -133,3 +133,17 @@ def test_an_effective_batch_that_does_not_split_over_the_gpus_is_refused():
                                     "qad.num_gpus=4"])
     with pytest.raises(ConfigError, match=r"^qad.effective_batch_size = 6 does not split evenly over qad.num_gpus = 4"):
         memory.settled(params, H100)
+
+
+def test_the_report_says_what_the_plan_chose():
+    from qad_pipeline.reporting.report import report_text
+    from qad_pipeline.results.run import RunSummary
+    from tests import samples
+
+    tasks = {"heldout_cloze": samples.score(0.5, recovery=0.98, recovery_ci=(0.96, 1.0))}
+    summary = RunSummary(selection=samples.selection("a", []), recipes=[],
+                         qad=samples.qad_metrics("a", tasks, 0.98, batch_size=4, grad_accum=2, world_size=1),
+                         settled=["qad.num_gpus=1", "qad.batch_size=4", "qad.grad_accum=2"])
+    text = report_text(summary)
+    assert "QAD (5 steps of 8 rows (4 x 2 micro-batches), KD loss" in text
+    assert "For the settings left at auto: qad.num_gpus=1, qad.batch_size=4, qad.grad_accum=2." in text
