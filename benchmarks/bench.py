@@ -252,7 +252,10 @@ def flow_figures(root: Path, params) -> None:
 
     if "qad" in parallel:
         q, e = parallel["qad"], parallel["export"]
-        tokens = params.qad.batch_size * params.qad.grad_accum * params.qad.seq_len
+        from qad_pipeline.plan.memory import settled_here
+
+        ran = settled_here(params).qad  # `auto` as the run settled it on this machine
+        tokens = ran.batch_size * ran.grad_accum * ran.seq_len
         print("\n== QAD and export ==")
         print(f"QAD: {q['steps_per_second']:.3f} steps/s ({q['steps_per_second'] * tokens:.0f} tokens/s, "
               f"teacher + fake-quantized student, {tokens} tokens a step)")

@@ -129,7 +129,7 @@ def run_dag(job: Job, params) -> tuple[RunSummary, list[tuple[str, str | None]]]
     seconds = {STAGES[name].summary_key(item): futures[name][item].result() for name, item in ran}
     seconds.update({"up to selection (wall)": up_to_selection, "run (wall)": time.time() - started})
     summary = read_summary(
-        job.layout, params, seconds=seconds,
+        job.layout, params, seconds=seconds, settled=list(job.settled),
         failed=[item for (name, item), state in states.items() if STAGES[name].over_recipes and not state.is_completed()],
         cached=[item for (name, item), state in states.items() if STAGES[name].over_recipes and state.name == "Cached"],
         baseline_cached=states[(BASELINE.name, None)].name == "Cached")

@@ -24,6 +24,7 @@ from prefect import flow
 
 from flows.stage_process import run_stage_process
 from qad_pipeline.plan import gpus
+from qad_pipeline.plan.memory import settled_here
 from qad_pipeline.core.config import load_params
 from qad_pipeline.core.layout import Layout, output_root
 from qad_pipeline.platform.runlock import TOKEN_ENV
@@ -38,6 +39,7 @@ def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, o
     layout = Layout(output_root(out_root, params_file))
     params = load_params(Path(params_file), list(overrides or []))
     seen = gpus.of_worker(params)
+    params = settled_here(params) if seen else params  # the GPUs a recipe's model spreads over, for this worker
     with gpus.claim(gpus.needed(stage[0], params, len(seen)), seen, "-".join(stage), print) as claimed:
         env = {**({TOKEN_ENV: lock_token} if lock_token else {}), **gpus.env_for(claimed)}
         seconds = run_stage_process(stage, params_file, list(overrides or []), layout, env=env)

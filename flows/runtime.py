@@ -57,6 +57,13 @@ class Job:
     gpus: tuple[str, ...] = ()  # the GPUs this machine hands to its stage processes (qad_pipeline.plan.gpus)
     placed: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (summary key, the GPUs it claims first: gpus.layout)
     job_gpus: tuple[tuple[str, int], ...] = ()  # (summary key, the GPUs its Job on a pool asks for: qad_pipeline.plan.pools)
+    settled: tuple[str, ...] = ()  # what the memory plan chose for the `auto` keys, as overrides (memory.settled_overrides)
+
+    @property
+    def stage_overrides(self) -> list[str]:
+        """A stage process's overrides: the run's, then the plan's choices (not in the cache key: a
+        different choice computes the same thing)."""
+        return [*self.overrides, *self.settled]
 
 
 def _picked(data: dict, keys: tuple[str, ...]) -> dict:
@@ -144,7 +151,7 @@ def run_stage(stage: str, recipe: str | None, job: Job) -> float:
     prefer = dict(job.placed).get(declared.summary_key(recipe), ())
     with at_once, gpus.claim(len(prefer), job.gpus, declared.run_name(recipe), get_run_logger().info,
                              prefer) as claimed:
-        return run_stage_process([stage, *([recipe] if recipe else [])], job.params_file, job.overrides, job.layout,
+        return run_stage_process([stage, *([recipe] if recipe else [])], job.params_file, job.stage_overrides, job.layout,
                                  job.threads if declared.per_recipe else None, env=gpus.env_for(claimed))
 
 
@@ -197,8 +204,8 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
               stage_deployment: str | None, sweep: bool = False) -> tuple[Params, Job]:
     """A run's params (a bad value fails here) and its `Job`, after the preflight: every input read
     before any model loads. `sweep`: the BPE sweep's flow."""
-    from qad_pipeline.plan.capacity import capacity
-    from qad_pipeline.plan.memory import recipe_parallelism, settled
+    from qad_pipeline.plan.capacity import capacity, target_capacity
+    from qad_pipeline.plan.memory import recipe_parallelism, settled, settled_overrides
     from qad_pipeline.core.stages import planned, with_sweep
 
     params_file = str(Path(params_file).resolve())  # the stage processes run in its folder
@@ -206,15 +213,20 @@ def start_job(params_file: str, overrides: list[str], out_root: str | None, reci
     layout = Layout(output_root(out_root, params_file))
     # On a deployment the stages run on GPU workers: this (control) machine's memory says nothing.
     preflight(params, layout.root, memory=not (recipe_deployment or stage_deployment), sweep=sweep)
-    job_gpus = pools.for_run(params, recipe_deployment, stage_deployment, sweep)  # each pool can give its Jobs
     cap = capacity(params.hardware)
-    placing = settled(params, cap, sweep=sweep or with_sweep(params))  # gpus_per_recipe as the plan settles it
+    on_pools = recipe_deployment or stage_deployment
+    # every `auto` as the plan settles it: against this machine, or for the stages on GPU workers against
+    # hardware.target (without one, each stage process settles its own on its worker)
+    where = target_capacity(params.hardware.target) if on_pools and params.hardware.target else cap
+    placing = settled(params, where, sweep=sweep or with_sweep(params))
+    chosen = settled_overrides(params, placing) if not on_pools or params.hardware.target else []
+    job_gpus = pools.for_run(placing, recipe_deployment, stage_deployment, sweep)  # each pool can give its Jobs
     at_once = recipe_parallelism(placing, cap, sweep=sweep or with_sweep(params))
     seen = gpus.visible(len(cap.gpu_bytes))
     runs = [(declared.name, item) for declared, item in planned(params, sweep_only=sweep)]
     placed = tuple(gpus.layout(runs, placing, seen, at_once).items()) if seen else ()
     return params, Job(params_file, overrides, layout, recipe_deployment, stage_deployment,
-                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed, job_gpus)
+                       at_once, max(1, (os.cpu_count() or 1) // at_once), seen, placed, job_gpus, tuple(chosen))
 
 
 def run_on_pool(deployment: str, name: str, what: dict, job: Job, gpus: int | None = None) -> float:
@@ -225,7 +237,7 @@ def run_on_pool(deployment: str, name: str, what: dict, job: Job, gpus: int | No
     run = run_deployment(
         deployment, flow_run_name=name, poll_interval=2,
         job_variables={pools.GPU_VARIABLE: gpus} if gpus is not None else None,
-        parameters={**what, "params_file": job.params_file, "overrides": job.overrides,
+        parameters={**what, "params_file": job.params_file, "overrides": job.stage_overrides,
                     "out_root": str(job.layout.root), "lock_token": os.environ.get(TOKEN_ENV)},
     )
     if not run.state or not run.state.is_completed():

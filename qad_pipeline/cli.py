@@ -27,9 +27,10 @@ from qad_pipeline.cli_options import BaseOpt, ParamsOpt, RootOpt, SetOpt, fail
 from qad_pipeline.core.config import DEFAULT_PARAMS, ConfigError, Params, StageError, load_params
 from qad_pipeline.core.layout import Layout, output_root
 from qad_pipeline.core.params_files import inheritance_line
+from qad_pipeline.plan import memory
 from qad_pipeline.plan.preflight import check_recipes, preflight
 from qad_pipeline.platform.runlock import NODE_ENV, TOKEN_ENV, run_lock
-from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING
+from qad_pipeline.core.stages import EXPORT, STAGES, SWEEPING, with_sweep
 from qad_pipeline.training.trainjob import trainjob_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="BF16 -> NVFP4 PTQ -> QAD pipeline.")
@@ -165,6 +166,7 @@ def stage(
             # pipeline run checked before starting it
             preflight(params, output_root(out_root, params_file), memory=False, tracking=False,
                       serving=declared is EXPORT, sweep=declared.gated_by(SWEEPING))
+        params = memory.settled_here(params, sweep=declared.gated_by(SWEEPING))  # each `auto` a run left
     except ConfigError as err:
         fail(err)
 
@@ -328,21 +330,23 @@ def plan_command(
     a stage cannot fit."""
     import json
 
-    from qad_pipeline.plan import capacity, disk_plan, memory, pools
+    from qad_pipeline.plan import capacity, disk_plan, plan_table, pools
 
     try:
         params = resolve_params(params_file, overrides, base_model)
         check_recipes(params)
         node = target or params.hardware.target
         cap = capacity.target_capacity(node) if node else capacity.capacity(params.hardware)
-        estimates, on_pool = memory.plan(params, cap), pools.plan_line(params)  # a Job its pool cannot give: refused
+        chosen = memory.settled(params, cap, sweep=with_sweep(params))  # what `auto` stands for here
+        estimates, on_pool = memory.plan(params, cap), pools.plan_line(chosen)  # a Job its pool cannot give: refused
         items = [*(overrides or []), *([f"base_model.path={base_model}"] if base_model else [])]  # the run's, for DVC
         disk = disk_plan.run_disk(estimates, params, output_root(out_root, params_file), params_file, items)
         inherits = inheritance_line(params_file)  # a profile: what it extends, how much it changes
     except ConfigError as err:
         fail(err)
     typer.echo(json.dumps([e.as_dict() for e in estimates], indent=2) if as_json
-               else "\n".join(filter(None, [inherits, memory.table(estimates, cap, params), disk.text(), on_pool])))
+               else "\n".join(filter(None, [inherits, plan_table.table(estimates, cap, params),
+                                             plan_table.settled_line(params, chosen), disk.text(), on_pool])))
     try:
         memory.check_fits(estimates)
     except ConfigError as err:

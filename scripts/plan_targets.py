@@ -8,7 +8,7 @@ that docs/memory-plan.md's table is this script's output.
 
 from __future__ import annotations
 
-from qad_pipeline.plan import capacity, memory
+from qad_pipeline.plan import capacity, memory, plan_table
 from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 from qad_pipeline.core.stages import with_sweep
 
@@ -35,7 +35,7 @@ def row(model: str, target: str) -> list[str]:
         verdict = "refused: " + str(err).split(";")[0].split(", even")[0]
     return [model.split("/")[1], target, f"{per_recipe} × {ptq[0].max_parallel}",
             f"{max(e.device_bytes for e in ptq) / GiB:.0f}", f"{qad.device_bytes / GiB:.0f}", f"{offloaded.device_bytes / GiB:.0f}",
-            f"{sum(e.disk_bytes for e in estimates) / GiB:,.0f}", memory.time_text(memory.run_seconds(estimates)), verdict]
+            f"{sum(e.disk_bytes for e in estimates) / GiB:,.0f}", plan_table.time_text(plan_table.run_seconds(estimates)), verdict]
 
 
 def table() -> str:

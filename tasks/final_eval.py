@@ -62,6 +62,9 @@ def run_final_eval(params: Params, layout: Layout) -> dict:
         final_loss=training.final_loss,
         first_loss=training.first_loss,
         steps_per_second=training.steps_per_second,
+        batch_size=training.batch_size,
+        grad_accum=training.grad_accum,
+        world_size=training.world_size,
         table=[],
     )
     metrics.table = comparison_table(baseline, ptq, metrics, recipe)

@@ -79,6 +79,7 @@ from qad_pipeline.training.distributed import (
     load_spread,
     resume,
     save_checkpoint,
+    submit_nodes,
     trained_student,
 )
 from qad_pipeline.core.layout import Layout
@@ -93,8 +94,9 @@ from qad_pipeline.training.training_text import batch_indices, training_windows
 CHECKPOINT = "last"
 # Parameters that change where and how fast QAD runs, not what it computes: a checkpoint made
 # under one setting resumes under another.
+# And the micro-batch (auto may choose another): steps are drawn whole, the run key holds their rows.
 LAYOUT_KEYS = {"num_gpus", "sharding", "gradient_checkpointing", "checkpoint_every", "offload", "num_nodes",
-               "rdzv_endpoint", "chunked_loss", "compile"}
+               "rdzv_endpoint", "chunked_loss", "compile", "batch_size", "grad_accum", "effective_batch_size"}
 
 
 class QADDiverged(StageError):
@@ -227,8 +229,9 @@ def train_step(s: QADStep, windows: np.ndarray, stream) -> torch.Tensor:
     clipping make the loss curve all but blind to the gradient's scale."""
     device = s.world.device if s.world.size > 1 else s.student_device
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(s.qad.grad_accum):
-        rows = s.world.rows(next(stream))  # this process's rows (window indices) of the global batch
+    step_rows, b = next(stream), s.qad.batch_size  # the step's rows (window indices), in micro-batches of b
+    for i in range(s.qad.grad_accum):
+        rows = s.world.rows(step_rows[i * b:(i + 1) * b])  # this process's rows of the micro-batch
         total += micro_step(s, rows, torch.from_numpy(windows[rows])).to(device)
     if s.world.size > 1:
         dist.all_reduce(total)
@@ -262,7 +265,10 @@ def compile_blocks(model) -> None:
 
 def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, checkpoint_dir: Path,
             teacher_cache: Path | None = None) -> dict:
-    """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve."""
+    """Stage core: distil the BF16 teacher into the selected PTQ student; save it and its loss curve.
+    `params` come settled (`qad-pipeline stage` settles each `auto` for its machine, a run passes its plan's)."""
+    if not params.qad.settled:
+        raise ConfigError("QAD's params hold auto: settle them first (qad_pipeline.plan.memory.settled_here)")
     qad = params.qad
     check_student_matches_teacher(student_dir, params)
     world = join_world(params)
@@ -295,11 +301,12 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     # A checkpoint resumes only the run that made it: same training parameters, same student files.
     student_files = [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(student_dir.iterdir())]
     run_key = fingerprint([json.dumps(params.model_dump(include={"base_model", "qad"}, exclude={"qad": LAYOUT_KEYS}),
-                                      sort_keys=True), str(student_dir), *student_files])
+                                      sort_keys=True), str(qad.batch_size * qad.grad_accum), str(student_dir),
+                           *student_files])
     last = checkpoint_dir / CHECKPOINT
     start, losses = resume(last, world, student, optimizer, scheduler, run_key)
 
-    stream = batch_indices(len(windows), qad.batch_size, qad.seed, skip=start * qad.grad_accum)
+    stream = batch_indices(len(windows), qad.batch_size * qad.grad_accum, qad.seed, skip=start)
     started = time.time()
     bar = tqdm(range(start, qad.steps), initial=start, total=qad.steps, desc="qad", unit="step",
                disable=world.rank != 0)
@@ -341,6 +348,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "tokens_per_step": tokens_per_step,
         "tokens_per_second": (qad.steps - start) * tokens_per_step / seconds if seconds > 0 else None,
         "seconds": seconds,
+        "batch_size": qad.batch_size, "grad_accum": qad.grad_accum,
         "world_size": world.size,
         "sharding": qad.sharding if world.size > 1 else None,
         "compute_dtype": compute_dtype,
@@ -365,19 +373,6 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
     return result
 
 
-def submit_nodes(params: Params, layout: Layout, cluster) -> None:
-    """Run this stage's own command on qad.num_nodes nodes as a TrainJob and wait for it."""
-    import sys
-
-    from qad_pipeline.platform.runlock import LOCK_NAME
-    from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
-
-    token = json.loads((layout.root / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
-    command = ["qad-pipeline", *sys.argv[1:]]
-    run_trainjob(trainjob_manifest(params, command, str(layout.root.resolve()), token, cluster),
-                 log=lambda line: print(line, flush=True))
-
-
 def main(params: Params, layout: Layout, recipe: str | None = None) -> str | None:
     """The QAD stage: `qad-pipeline stage qad`; with qad.num_gpus > 1, torchrun runs this same
     command in that many processes."""
@@ -389,7 +384,7 @@ def main(params: Params, layout: Layout, recipe: str | None = None) -> str | Non
         if cluster is None:  # torchrun here: this node's processes (joined with the others' with num_nodes > 1)
             launch_processes(params, layout.root)
         else:  # a pod of a cluster: the same command on num_nodes nodes, as a Kubeflow TrainJob
-            submit_nodes(params, layout, cluster)
+            submit_nodes(params, layout.root, cluster)
         return None
     result = run_qad(params, layout.candidate(selected) / "checkpoint", layout.data, layout.qad, layout.qad_checkpoints,
                      layout.teacher_cache)

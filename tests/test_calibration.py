@@ -60,7 +60,7 @@ def test_a_hub_dataset_is_streamed_at_its_revision_and_read_only_as_far_as_neede
     tok = AutoTokenizer.from_pretrained(demo_model_path)
     hub = ["calibration.source=org/news", "calibration.dataset_config=3.0.0", "calibration.text_field=article",
            "calibration.revision=abc123", "calibration.num_samples=8", "calibration.seq_len=64",
-           "eval.num_cloze=20", "eval.num_continuation=10", "eval.ppl_samples=4", "qad.seq_len=64"]
+           "eval.num_cloze=20", "eval.num_continuation=10", "eval.ppl_samples=4", "qad.seq_len=64", "qad.batch_size=8"]
     params = load_params(overrides=hub)
     manifest = build_calibration(params, tok, tmp_path / "data")
     first = calls[0]

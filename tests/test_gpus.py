@@ -16,7 +16,7 @@ import pytest
 
 from flows import recipe as recipe_flow
 from flows import runtime
-from qad_pipeline.plan import capacity, gpus, memory
+from qad_pipeline.plan import capacity, gpus, memory, plan_table
 from qad_pipeline.core.config import PROJECT_ROOT, ConfigError, load_params
 
 PARAMS = str(PROJECT_ROOT / "params.yaml")
@@ -101,14 +101,14 @@ def test_gpus_per_recipe_spreads_each_recipe_over_its_own_gpus(node, tmp_path):
     assert all(len(_devices(run)) == 2 for run in runs)
     _no_gpu_shared_at_once(runs)
     runtime.run_stage.fn("qad", None, job)
-    runtime.run_stage.fn("baseline", None, job)  # device_map auto: every GPU
-    assert [len(_devices(run)) for run in runs[-2:]] == [4, 8]
+    runtime.run_stage.fn("baseline", None, job)  # device_map auto: as many as a recipe
+    assert [len(_devices(run)) for run in runs[-2:]] == [4, 2]
     # the plan says the same
     rows = {e.stage: e for e in memory.plan(params, capacity.capacity(params.hardware))}
     assert [rows["ptq/" + r].gpus for r in params.ptq.recipes] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7"),
                                                                   ("0", "1")]
     assert (rows["ptq/" + params.ptq.recipes[0]].max_parallel, rows["qad"].gpus, rows["baseline"].gpus) == (
-        4, ("0", "1", "2", "3"), tuple(str(i) for i in range(8)))
+        4, ("0", "1", "2", "3"), ("0", "1"))
     assert [gpus.shown(g) for g in [(), ("3",), ("3", "5"), ("0", "1", "2", "3")]] == ["-", "3", "3,5", "0-3"]
 
 
@@ -128,7 +128,7 @@ def test_a_worker_given_some_gpus_hands_out_those(node, tmp_path, monkeypatch):
     assert [(e.stage, e.gpus) for e in rows[:4]] == [("calibration", ()), ("baseline", ("3",)),
                                                      ("ptq/" + params.ptq.recipes[0], ("3",)),
                                                      ("ptq/" + params.ptq.recipes[1], ("5",))]
-    assert "GPUs" in memory.table(rows, cap).splitlines()[0].split()
+    assert "GPUs" in plan_table.table(rows, cap).splitlines()[0].split()
 
 
 def test_a_claim_waits_for_a_gpu_another_process_holds(node, tmp_path):
@@ -157,7 +157,7 @@ def test_no_gpu_leaves_the_environment_alone(node, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["hardware.device_map=auto", "ptq.gpus_per_recipe=3"], r"ptq.gpus_per_recipe = 3 but this machine sees 2 GPU"),
-    (["ptq.gpus_per_recipe=2"], r"ptq.gpus_per_recipe = 2 needs hardware.device_map=auto"),
+    (["hardware.device_map=single", "ptq.gpus_per_recipe=2"], r"ptq.gpus_per_recipe = 2 needs hardware.device_map=auto"),
 ])
 def test_more_gpus_per_recipe_than_there_are_is_refused(node, tmp_path, overrides, message):
     node(2)

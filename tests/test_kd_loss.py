@@ -148,7 +148,7 @@ def test_micro_step_equals_the_full_logits_step(models):
     """tasks/qad.py's micro_step, chunked and not: the same loss and gradients (one chunk), and the
     loss comes back on the device, unread."""
     teacher, student, ids, windows = models
-    q = load_params(overrides=["qad.grad_accum=2", f"qad.temperature={T}"]).qad
+    q = load_params(overrides=["qad.batch_size=4", "qad.grad_accum=2", f"qad.temperature={T}"]).qad
     step = QADStep(q, student, None, None, torch.device("cpu"), teacher, torch.device("cpu"), world=World())
     results = []
     for chunked_loss in (False, True):

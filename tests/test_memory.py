@@ -27,8 +27,12 @@ def config_only_model(tmp_path_factory, demo_model_path):
     return folder
 
 
+# params.yaml's values before `auto` (tests/test_auto_settings.py tests auto): these tests turn one knob at a time
+FIXED = ["eval.batch_size=32", "qad.batch_size=8", "qad.num_gpus=1"]
+
+
 def params_with(model, *overrides):
-    return load_params(PARAMS, [f"base_model.path={model}", *overrides])
+    return load_params(PARAMS, [f"base_model.path={model}", *FIXED, *overrides])
 
 
 def host(stage, model, *overrides, cap=BIG):
@@ -142,8 +146,9 @@ def test_max_parallel_auto_on_cpu_fits_the_recipes_into_host_memory(config_only_
 def test_max_parallel_auto_on_gpus_is_one_recipe_per_gpu(config_only_model):
     p = params_with(config_only_model)
     four = capacity.Capacity("cuda", 1 << 50, (80 * memory.GiB,) * 4)
-    assert memory.recipe_parallelism(p, four) == 4
-    assert memory.recipe_parallelism(params_with(config_only_model, "hardware.device_map=auto"), four) == 1
+    assert memory.recipe_parallelism(p, four) == 4  # device_map auto: the plan gives each recipe the one GPU it needs
+    assert memory.recipe_parallelism(params_with(config_only_model, "hardware.device_map=single"), four) == 4
+    assert memory.recipe_parallelism(params_with(config_only_model, "ptq.gpus_per_recipe=4"), four) == 1
     busy = capacity.Capacity("cuda", 1 << 50, (80 * memory.GiB, 1 * memory.MiB))
     assert memory.recipe_parallelism(p, busy) == 1
     # CUDA stages planned where no GPU is seen (a flow's control node) run on GPU workers: no check

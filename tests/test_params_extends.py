@@ -41,7 +41,9 @@ def value(params: Params, dotted: str):
     return getattr(getattr(params, section), key)
 
 
-@pytest.mark.parametrize("profile, device_map, policy", [(LLAMA, "single", "qad"), (QWEN, "auto", "ptq_final")])
+# device_map: both inherit params.yaml's auto (the Llama profile's full copy said single: one GPU per recipe,
+# which auto settles to for a 16 GB model)
+@pytest.mark.parametrize("profile, device_map, policy", [(LLAMA, "auto", "qad"), (QWEN, "auto", "ptq_final")])
 def test_a_profile_gets_what_its_full_copy_stated(profile, device_map, policy):
     params = load_params(profile)
     assert {key: value(params, key) for key in INHERITED} == INHERITED
@@ -67,7 +69,7 @@ def test_a_profile_extends_params_yaml_and_states_only_what_differs(profile):
 def test_the_plan_names_what_a_profile_extends(monkeypatch):
     monkeypatch.chdir(PROJECT_ROOT)
     assert inheritance_line(Path("profiles/llama-3.1-8b_8xh100.yaml")) == (
-        "params: profiles/llama-3.1-8b_8xh100.yaml (extends params.yaml; 27 keys differ)")
+        "params: profiles/llama-3.1-8b_8xh100.yaml (extends params.yaml; 28 keys differ)")
     assert inheritance_line(Path("params.yaml")) is None
     out = CliRunner().invoke(app, ["plan", "--params", "profiles/qwen3-30b-a3b_8xb200.yaml"]).output
     assert out.splitlines()[0] == "params: profiles/qwen3-30b-a3b_8xb200.yaml (extends params.yaml; 29 keys differ)"

@@ -19,12 +19,12 @@ def profile(**overrides):
 
 
 def test_each_stage_asks_for_what_it_needs_on_a_node_of_the_pool():
-    params = profile()
+    params = profile(**{"hardware.device_map": "single"})
     asked = pools.requests(params, pools.routed(params, RECIPES, STAGES), {RECIPES: 8, STAGES: 8})
     assert asked["qad"] == 8  # qad.num_gpus
     assert {asked[k] for k in asked if k.startswith("ptq/")} == {1}  # device_map single: one GPU per recipe
     assert asked["baseline"] == asked["final_eval"] == asked["export"] == 1
-    spread = profile(**{"hardware.device_map": "auto"})
+    spread = profile()  # device_map auto, gpus_per_recipe not settled: the node's
     assert pools.requests(spread, pools.routed(spread, RECIPES, STAGES), {RECIPES: 4, STAGES: 4})["baseline"] == 4
     nodes = profile(**{"qad.num_nodes": 2})  # its pod submits the TrainJob, whose pods take the GPUs
     assert pools.requests(nodes, pools.routed(nodes, RECIPES, STAGES), {RECIPES: 8, STAGES: 8})["qad"] == 0
@@ -41,7 +41,10 @@ def test_a_run_whose_stage_asks_a_pool_for_more_gpus_than_it_gives_is_refused_be
     assert line.startswith("qad needs 8 GPUs in one Job (qad.num_gpus=8) but gpu-stage/gpu's pool gives a Job at most 4")
     # the same run on pools that can: each Job's request, as the flow runs pass it
     monkeypatch.setattr(pools, "server_limits", lambda deployments: {RECIPES: 8, STAGES: 8})
-    jobs = dict(pools.for_run(profile(), RECIPES, STAGES))
+    from qad_pipeline.plan import capacity, memory
+
+    settled = memory.settled(profile(), capacity.target_capacity("8xH100-80GB"))  # as the flow passes them
+    jobs = dict(pools.for_run(settled, RECIPES, STAGES))
     assert jobs["qad"] == 8 and jobs["ptq/nvfp4_max-mamba_fp8-kv_fp8"] == 1
     # a pool without the variable (a process pool): nothing passed, the declared limit still checked
     monkeypatch.setattr(pools, "server_limits", lambda deployments: {RECIPES: None, STAGES: None})

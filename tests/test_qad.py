@@ -31,7 +31,7 @@ def copy_of_run(pipeline_run, tmp_path):
     _, layout, overrides, _ = pipeline_run
     root = tmp_path / "run"
     shutil.copytree(layout.root, root, ignore=shutil.ignore_patterns("qad", "qad_checkpoints", "export"))
-    return Layout(root), overrides
+    return Layout(root), [*overrides, "qad.num_gpus=1"]  # as the run's plan settled auto for its stages (a CPU)
 
 
 @pytest.mark.slow
@@ -212,7 +212,7 @@ def test_the_plan_prices_qad_with_a_measured_mfu_where_there_is_one(monkeypatch)
     from qad_pipeline.plan import costs
     from qad_pipeline.plan.memory_model import model_shape
 
-    params = load_params()
+    params = load_params(overrides=["qad.batch_size=8", "qad.num_gpus=1"])  # settled, as the plan passes them
     shape, flops = model_shape(params.base_model), 989e12
     assumed = costs.seconds("qad", params, shape, flops, "H200")
     assert costs.train_mfu("H200") == (costs.TRAIN_MFU, "assumed")

@@ -218,7 +218,7 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
     (`when`) takes it out of a run whose params say no."""
     from flows import runtime
     from qad_pipeline.core import code_deps
-    from qad_pipeline.plan import capacity, memory
+    from qad_pipeline.plan import capacity, memory, plan_table
     from qad_pipeline.core.layout import Layout
     from qad_pipeline.reporting.report import read_summary, report_text
     from qad_pipeline.results.base import write_result
@@ -256,7 +256,7 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
     assert plan[-1].disk_bytes == 4096 and plan[-1].evaluation["tokens"] == 1000
     [est] = [e for e in memory.plan(params, capacity.target_capacity("8xH100-80GB")) if e.stage == "model_card"]
     assert est.gpus == ("0",) and est.seconds > 1.0  # its GPU claim, and its time with its evaluation's
-    assert "model_card" in memory.table(plan, capacity.capacity(params.hardware), params)
+    assert "model_card" in plan_table.table(plan, capacity.capacity(params.hardware), params)
 
     layout = Layout(tmp_path)
     write_result(layout.baseline_metrics, samples.baseline({"t": samples.score(0.5)}))

@@ -75,14 +75,14 @@ def test_rendezvous_options(monkeypatch):
     for name in ("PET_MASTER_ADDR", "PET_MASTER_PORT", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     assert rendezvous(load_params(PROJECT_PARAMS, ["qad.num_gpus=2"]), TOKEN) == ["--standalone", "--nproc-per-node=2"]
-    two = load_params(PROJECT_PARAMS, ["qad.num_nodes=2"])
+    two = load_params(PROJECT_PARAMS, ["qad.num_nodes=2", "qad.num_gpus=1"])  # settled, as launch_processes has them
     with pytest.raises(ConfigError, match="qad.num_nodes = 2 needs a rendezvous: set qad.rdzv_endpoint"):
         rendezvous(two, TOKEN)
     monkeypatch.setenv("PET_MASTER_ADDR", "qad-abc-node-0-0.qad-abc")  # as Kubeflow Trainer's torch runtime sets it
     monkeypatch.setenv("PET_MASTER_PORT", "29400")
     assert rendezvous(two, TOKEN) == ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
                                       "--rdzv-endpoint=qad-abc-node-0-0.qad-abc:29400", f"--rdzv-id=qad-{TOKEN[:16]}"]
-    given = load_params(PROJECT_PARAMS, ["qad.num_nodes=2", "qad.rdzv_endpoint=head.example:1234"])
+    given = load_params(PROJECT_PARAMS, ["qad.num_nodes=2", "qad.num_gpus=1", "qad.rdzv_endpoint=head.example:1234"])
     assert "--rdzv-endpoint=head.example:1234" in rendezvous(given, TOKEN)
 
 

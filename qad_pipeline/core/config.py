@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from qad_pipeline.core.params_files import ConfigError as ConfigError
 from qad_pipeline.core.params_files import StageError as StageError
@@ -30,6 +30,18 @@ DEFAULT_PARAMS = Path("params.yaml")  # what the CLI and the flows read unless t
 # dvc.yaml sits), whatever the working directory; load_params records that folder here.
 _params_root: Path | None = None
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def _auto_or_positive(value):
+    """`auto` or a positive integer (YAML's `8`, an override's "8"); anything else is refused."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, str) and value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    raise ValueError(f"must be auto or a positive integer, got {value!r}")
+
+
+AutoOrCount = Annotated[int | Literal["auto"], BeforeValidator(_auto_or_positive)]
 
 
 class _Section(BaseModel):
@@ -156,7 +168,7 @@ class EvalParams(_Section):
     num_cloze: int = Field(gt=0)
     num_continuation: int = Field(gt=0)
     limit: int | None = Field(default=None, gt=0)
-    batch_size: int = Field(gt=0)
+    batch_size: AutoOrCount  # auto: the largest the memory plan fits, up to memory.AUTO_EVAL_BATCH
     ppl_samples: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     kl_top_k: int = Field(gt=0)
@@ -249,8 +261,10 @@ class QADParams(_Section):
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = Field(ge=0)
     weight_decay: float = Field(ge=0)
-    batch_size: int = Field(gt=0)
-    grad_accum: int = Field(gt=0)
+    # auto (`batch_size`, `grad_accum`, `num_gpus`): settled by the memory plan (memory.settled) before use
+    batch_size: AutoOrCount  # rows per micro-batch, over all processes
+    grad_accum: int | Literal["auto"] = Field(default="auto", validate_default=True)  # micro-batches per step
+    effective_batch_size: int = Field(default=8, gt=0)  # rows per optimizer step when batch_size is auto
     seq_len: int = Field(gt=0)
     temperature: float = Field(gt=0)
     source: str | None = None
@@ -258,7 +272,7 @@ class QADParams(_Section):
     seed: int = 0
     compute_dtype: Literal["auto", "bfloat16", "float32"]
     gradient_checkpointing: bool
-    num_gpus: int = Field(ge=1)  # processes (GPUs) per node
+    num_gpus: AutoOrCount  # processes (GPUs) per node; auto: the fewest that fit (one on a CPU)
     sharding: Literal["ddp", "fsdp"]
     num_nodes: int = Field(default=1, ge=1)
     offload: bool = False  # FSDP2's CPU offload: sharded parameters, gradients and AdamW state on the host
@@ -271,12 +285,28 @@ class QADParams(_Section):
 
     @property
     def processes(self) -> int:  # on all nodes
+        if self.num_gpus == "auto":
+            raise ConfigError("qad.num_gpus is auto here: settle the params first (qad_pipeline.plan.memory.settled)")
         return self.num_gpus * self.num_nodes
+
+    @property
+    def settled(self) -> bool:  # no `auto` left for the memory plan to settle
+        return "auto" not in (self.batch_size, self.grad_accum, self.num_gpus)
+
+    @field_validator("grad_accum", mode="before")
+    @classmethod
+    def _accumulation(cls, value, info):
+        value, batch = _auto_or_positive(value), info.data.get("batch_size")
+        if batch == "auto" and value != "auto":
+            raise ValueError("must be auto with qad.batch_size auto (the plan chooses both so that batch_size x "
+                             "grad_accum = qad.effective_batch_size); set qad.effective_batch_size instead")
+        return 1 if value == "auto" and batch not in ("auto", None) else value  # an explicit batch: no accumulation
 
     @field_validator("offload")
     @classmethod
     def _offload(cls, offload: bool, info) -> bool:
-        n, sharding = info.data.get("num_gpus", 1) * info.data.get("num_nodes", 1), info.data.get("sharding")
+        gpus, sharding = info.data.get("num_gpus", 1), info.data.get("sharding")
+        n = "auto" if gpus == "auto" else gpus * info.data.get("num_nodes", 1)
         if offload and (sharding != "fsdp" or n == 1):
             raise ValueError(f"offload: true needs sharding: fsdp and more than one process (num_gpus x num_nodes "
                              f"is {n}, sharding is {sharding})")

@@ -3,11 +3,12 @@
 A stage process sees only the GPUs it claims, so `device_map: single` (the process's GPU 0) is a
 GPU of its own, and `device_map: auto` spreads a model over exactly the GPUs it was given:
 
-- a PTQ recipe or a sweep budget: `ptq.gpus_per_recipe` GPUs (`auto`: one, or every visible GPU
-  with `hardware.device_map: auto`, which spreads one model over all of them);
-- QAD: the first `qad.num_gpus` free ones (its torchrun ranks use them in order);
-- the other GPU-heavy stages (baseline, sweep_search, final_eval, export): one, or every visible
-  GPU with `device_map: auto`;
+- a PTQ recipe or a sweep budget: `ptq.gpus_per_recipe` GPUs (`auto`: one, or with
+  `hardware.device_map: auto` the fewest that hold it, as the plan settles it: `memory.settled`);
+- QAD: the first `qad.num_gpus` free ones (its torchrun ranks use them in order; `auto`: the
+  fewest over which it fits, as the plan settles it);
+- the other GPU-heavy stages (baseline, sweep_search, final_eval, export): one, or with
+  `device_map: auto` as many as a recipe (the same model, spread alike);
 - the stages that load no model: none (their environment is left as it is).
 
 A claim is a lock file per GPU (`flock`), under a folder every process of this machine shares, so
@@ -120,7 +121,9 @@ def _recipe_knob(params: Params) -> str:
 
 
 def _spread_or_one(params: Params, seen: int) -> int:
-    return seen if params.hardware.device_map == "auto" else 1
+    """One; with `device_map: auto` as many as a PTQ recipe gets (the same model spread alike:
+    `ptq.gpus_per_recipe`, which the plan settles to the fewest that hold it)."""
+    return per_recipe(params, seen) if params.hardware.device_map == "auto" else 1
 
 
 # a PTQ recipe, a sweep budget: `ptq.gpus_per_recipe`
@@ -128,7 +131,7 @@ RECIPE = GpuClaim(per_recipe, _recipe_knob)
 # QAD: its torchrun ranks' `qad.num_gpus`; across nodes, the TrainJob's pods hold them (qad_pipeline/training/trainjob.py)
 QAD = GpuClaim(lambda params, seen: params.qad.num_gpus, lambda params: f"qad.num_gpus={params.qad.num_gpus}",
                elsewhere=lambda params: params.qad.num_nodes > 1, ranks=lambda params: params.qad.num_gpus)
-# the other GPU-heavy stages: one, or every visible GPU with `device_map: auto`
+# the other GPU-heavy stages: one, or as many as a recipe with `device_map: auto`
 WHOLE_MODEL = GpuClaim(_spread_or_one, _device_map_knob)
 
 

@@ -7,6 +7,9 @@
 settings and the recipes. `check_fits(plan(params))`, which the preflight of every run calls,
 refuses a setting that cannot fit, naming the knob to turn and the largest value that fits.
 `recipe_parallelism(params)` is how many PTQ recipes `ptq.max_parallel: auto` runs at once.
+`settled(params, cap)` chooses what the other `auto` settings stand for: QAD's GPUs (the fewest it
+fits on) and micro-batch (the largest that fits, accumulated to `qad.effective_batch_size` rows a
+step), the GPUs a recipe's model spreads over, eval's batch. `qad_pipeline.plan.plan_table` prints it.
 
 The estimate of each phase, term by term, is `qad_pipeline.plan.memory_model` (its docstring has the
 formula and where its constants were fitted).
@@ -17,12 +20,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from qad_pipeline.plan import costs, eval_costs, gpus
-from qad_pipeline.plan.capacity import HEADROOM, Capacity, capacity
+from qad_pipeline.plan.capacity import Capacity, capacity
 from qad_pipeline.core.config import ConfigError, Params
 from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
-from qad_pipeline.reporting.report import aligned
-from qad_pipeline.core.stages import RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
+from qad_pipeline.core.stages import QAD, RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
 
 @dataclass
 class StageEstimate:
@@ -79,7 +81,14 @@ def _placed(phase: Phase, params: Params, cap: Capacity, stage: str) -> tuple[di
 
 
 def estimate(stage: str, params: Params, cap: Capacity, shape: ModelShape | None = None) -> StageEstimate:
-    """One stage process's peak host and per-GPU bytes (the max over its phases)."""
+    """One stage process's peak host and per-GPU bytes (the max over its phases), each `auto` settled
+    for `cap` first."""
+    if not params.qad.settled or params.eval.batch_size == "auto":
+        params = settled(params, cap)
+    return _estimate(stage, params, cap, shape)
+
+
+def _estimate(stage: str, params: Params, cap: Capacity, shape: ModelShape | None = None) -> StageEstimate:
     model = stage_memory(stage.split("/")[0])
     if isinstance(model, int):  # a process that loads no model (calibration, selection, the sweep's curve)
         return StageEstimate(stage, model, 0, 1, "cpu", "no model", {"process": model}, host_bytes_other=model)
@@ -103,9 +112,11 @@ def _gpus_holding(device_bytes: int, cap: Capacity) -> int:
 def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool = False) -> int:
     """Per-item processes at once (PTQ recipes; with `sweep`, the sweep's budgets too, which share
     the recipes' slots): `ptq.max_parallel`, or for `auto` as many as the free host memory holds
-    (CPU), or one per `ptq.gpus_per_recipe` visible GPUs that hold one (CUDA: `qad_pipeline.plan.gpus`;
-    one at a time with `device_map: auto` and `gpus_per_recipe: auto`, which spread a recipe over
-    all of them). At least 1: `check_fits` refuses one that does not fit at all."""
+    (CPU), or one per `ptq.gpus_per_recipe` visible GPUs that hold one (CUDA: `qad_pipeline.plan.gpus`),
+    each `auto` settled first (`settled`). At least 1: `check_fits` refuses one that does not fit at all."""
+    if cap is not None or params.ptq.max_parallel == "auto":
+        cap = cap or capacity(params.hardware)
+        params = settled(params, cap, sweep)
     per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
     items = max(len(params.ptq.recipes), len(params.sweep.points) if sweep else 0)
     if params.ptq.max_parallel != "auto":
@@ -113,7 +124,6 @@ def recipe_parallelism(params: Params, cap: Capacity | None = None, sweep: bool 
         if cap is not None and cap.device == "cuda" and cap.gpu_bytes:  # no more than the GPUs' slots
             at_once = min(at_once, max(1, gpus.slots(params, len(cap.gpu_bytes))))
         return at_once
-    cap = cap or capacity(params.hardware)
     if cap.device == "cuda" and not cap.gpu_bytes:  # the recipes run on GPU workers, one each
         return items
     peaks = [estimate(stage, params, cap) for stage in per_item]
@@ -164,7 +174,7 @@ def _bound(params: Params, knob: str) -> int:
 
 
 def _fits(stage: str, params: Params, cap: Capacity, at_once: int) -> bool:
-    est = estimate(stage, params, cap)
+    est = _estimate(stage, params, cap)
     est.max_parallel = at_once
     return _why_not(est, cap, params) is None
 
@@ -243,23 +253,111 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
             f"{largest} {_gib(est.terms[largest])} in its {est.phase} phase); use {where}")
 
 
+AUTO_KEYS = ("qad.num_gpus", "qad.batch_size", "qad.grad_accum", "eval.batch_size")  # what `auto` may stand for
+
+
+def settled_overrides(raw: Params, chosen: Params) -> list[str]:
+    """The values the memory plan chose for the keys `raw` leaves at `auto`, as `section.key=value`
+    overrides: what a run passes on to its stage processes (and the QAD stage to its torchrun
+    processes), so that each uses the plan's choice rather than choosing again."""
+    out = []
+    for key in AUTO_KEYS:
+        section, name = key.split(".")
+        if getattr(getattr(raw, section), name) == "auto":
+            out.append(f"{key}={getattr(getattr(chosen, section), name)}")
+    return out
+
+
+AUTO_EVAL_BATCH = 32  # eval.batch_size auto's ceiling (params.yaml's comment says it): more rows buy little
+
+
 def settled(params: Params, cap: Capacity, sweep: bool = False) -> Params:
-    """`params` with `ptq.gpus_per_recipe: auto` settled for `device_map: auto` on GPUs: the fewest
-    GPUs over which every recipe (and sweep budget) fits without offloading to the host, else all."""
-    if params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto" or not cap.gpu_bytes:
+    """`params` with each `auto` the plan chooses settled against `cap`, in this order: QAD's GPUs
+    and batches (`_settled_qad`), `ptq.gpus_per_recipe` for `device_map: auto` on GPUs (the fewest
+    over which every recipe and sweep budget fits without offloading to the host, else all), then
+    `eval.batch_size` (the largest up to AUTO_EVAL_BATCH at which every evaluating stage fits)."""
+    params = _settled_qad(params, cap)
+    at_one = _with(params, "eval.batch_size", 1) if params.eval.batch_size == "auto" else params
+    return _settled_eval(_with(params, "ptq.gpus_per_recipe", _recipe_gpus(at_one, cap, sweep)), cap, sweep)
+
+
+def settled_here(params: Params, sweep: bool = False) -> Params:
+    """`params` settled for this machine (`settled`), unless nothing is left at `auto` (a run passed
+    its plan's choices on: `settled_overrides`)."""
+    if params.qad.settled and params.eval.batch_size != "auto" and (
+            params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto"):
         return params
+    return settled(params, capacity(params.hardware), sweep)
+
+
+def _recipe_gpus(params: Params, cap: Capacity, sweep: bool) -> int | str:
+    if params.ptq.gpus_per_recipe != "auto" or params.hardware.device_map != "auto" or not cap.gpu_bytes:
+        return params.ptq.gpus_per_recipe
     per_item = [*map(RECIPES.summary_key, params.ptq.recipes), *(map(SWEEP_POINTS.summary_key, params.sweep.points) if sweep else [])]
     for k in range(1, len(cap.gpu_bytes)):
         candidate = _with(params, "ptq.gpus_per_recipe", k)
-        estimates = [estimate(stage, candidate, cap) for stage in per_item]
+        estimates = [_estimate(stage, candidate, cap) for stage in per_item]
         if all(_why_not(e, cap, candidate) is None and "host:offloaded" not in e.terms for e in estimates):
-            return candidate
-    return _with(params, "ptq.gpus_per_recipe", len(cap.gpu_bytes))
+            return k
+    return len(cap.gpu_bytes)
+
+
+def _micro_batches(params: Params) -> list[int]:
+    """The micro-batches QAD may take, smallest first: the explicit `qad.batch_size`, or with `auto`
+    the divisors of `qad.effective_batch_size` that split evenly over its processes."""
+    q = params.qad
+    if q.batch_size != "auto":
+        return [q.batch_size] if q.batch_size % q.processes == 0 else []
+    return [m for m in range(1, q.effective_batch_size + 1) if q.effective_batch_size % m == 0 and m % q.processes == 0]
+
+
+def _with_batch(params: Params, rows: int) -> Params:
+    q = params.qad
+    accum = q.effective_batch_size // rows if q.batch_size == "auto" else q.grad_accum
+    return _with(_with(params, "qad.batch_size", rows), "qad.grad_accum", accum)
+
+
+def _settled_qad(params: Params, cap: Capacity) -> Params:
+    """`qad.num_gpus: auto`: the fewest GPUs of `cap` over which QAD fits (1 without GPUs: on the
+    CPU, or GPUs elsewhere); `qad.batch_size: auto`: the largest micro-batch that fits there, with
+    `grad_accum` micro-batches a step making `qad.effective_batch_size` rows. When nothing fits: the
+    most GPUs at the smallest micro-batch, which the plan refuses naming what to turn."""
+    q = params.qad
+    if q.settled:
+        return params
+    seen = len(cap.gpu_bytes) if cap.device == "cuda" else 0
+    least = 2 if q.offload and q.num_nodes == 1 else 1  # offload shards over more than one process
+    counts = [q.num_gpus] if q.num_gpus != "auto" else list(range(least, max(seen, 1) + 1))
+    if not counts:
+        raise ConfigError(f"qad.offload = true needs more than one process, and qad.num_gpus auto has {seen} GPU(s) "
+                          "to choose from here; set qad.offload=false, or qad.num_gpus on a machine with GPUs")
+    choices = [(k, rows) for k in counts for rows in [_micro_batches(_with(params, "qad.num_gpus", k))] if rows]
+    if not choices:
+        raise ConfigError(f"qad.effective_batch_size = {q.effective_batch_size} does not split evenly over "
+                          f"qad.num_gpus = {q.num_gpus} x qad.num_nodes = {q.num_nodes} processes; make it a multiple")
+    for k, rows in choices:
+        on_k = _with(params, "qad.num_gpus", k)
+        fitting = [m for m in rows if _fits(QAD.name, _with_batch(on_k, m), cap, k)]
+        if fitting:
+            return _with_batch(on_k, max(fitting))
+    k, rows = choices[-1]
+    return _with_batch(_with(params, "qad.num_gpus", k), rows[0])
+
+
+def _settled_eval(params: Params, cap: Capacity, sweep: bool) -> Params:
+    """`eval.batch_size: auto`: the largest up to AUTO_EVAL_BATCH at which every planned stage
+    whose knob it is fits alone (1 when none does: the plan refuses it)."""
+    if params.eval.batch_size != "auto":
+        return params
+    evaluating = [key for key in stages(params, sweep) if "eval.batch_size" in STAGES[key.split("/")[0]].knobs]
+    top = _with(params, "eval.batch_size", AUTO_EVAL_BATCH)
+    most = min((_largest(key, top, cap, 1, "eval.batch_size") or 1 for key in evaluating), default=AUTO_EVAL_BATCH)
+    return _with(params, "eval.batch_size", most)
 
 
 def plan(params: Params, cap: Capacity | None = None, sweep_only: bool = False) -> list[StageEstimate]:
     """Every stage's estimate, with the processes it runs at once and `advice` where it does not fit
-    (`ptq.gpus_per_recipe: auto` settled first: `settled`)."""
+    (every `auto` settled first: `settled`)."""
     cap = cap or capacity(params.hardware)
     params = settled(params, cap, sweep=sweep_only or with_sweep(params))
     recipes_at_once = recipe_parallelism(params, cap, sweep=sweep_only or with_sweep(params))
@@ -288,48 +386,3 @@ def check_fits(estimates: list[StageEstimate]) -> None:
     for est in estimates:
         if not est.fits:
             raise ConfigError(est.advice)
-
-
-def run_seconds(estimates: list[StageEstimate]) -> float | None:
-    """The run's estimated wall time: the longest path through the stages' `after` edges, a
-    per-item stage taking its items in waves of `max_parallel` (None: no time estimate)."""
-    if any(e.seconds is None for e in estimates):
-        return None
-    took: dict[str, list[float]] = {}
-    for e in estimates:
-        took.setdefault(e.stage.split("/")[0], []).append(e.seconds)
-    at_once = {e.stage.split("/")[0]: e.max_parallel for e in estimates}
-    done: dict[str, float] = {}
-    for name, times in took.items():  # in the registry's order: every stage after the ones it waits for
-        waves = -(-len(times) // max(1, at_once[name])) if STAGES[name].per_recipe else 1
-        done[name] = max((done.get(a, 0.0) for a in STAGES[name].after), default=0.0) + waves * max(times)
-    return max(done.values())
-
-
-def time_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
-
-
-def table(estimates: list[StageEstimate], cap: Capacity, params: Params | None = None) -> str:
-    """The plan as a text table, then what the machine (or target) offers and the time (the disk in
-    all: `disk_plan`)."""
-    mib = lambda b: f"{b / MiB:,.0f}" if b else "-"  # noqa: E731
-    gib = lambda b: f"{b / GiB:,.1f}" if b else "-"  # noqa: E731
-    rows = [("stage", "peak phase", "host MiB", "GPU MiB", "GPUs", "at once", "disk GiB", "time", "fits")]
-    rows += [(e.stage, e.phase, mib(e.host_bytes), mib(e.device_bytes), gpus.shown(e.gpus), str(e.max_parallel),
-              gib(e.disk_bytes), time_text(e.seconds), "yes" if e.fits else "NO") for e in estimates]
-    lines = aligned(list(rows[0]), [list(r) for r in rows[1:]], right=frozenset(range(2, len(rows[0]))), rule=False)
-    seen = ", ".join(f"{g / GiB:.1f} GiB" for g in cap.gpu_bytes) or "none seen"
-    where = f"target {cap.target}" if cap.target else f"{HEADROOM:.0%} of what is free"
-    lines.append(f"usable ({where}): host {cap.host_bytes / GiB:.1f} GiB; GPUs: {seen}; the stages run on {cap.device}")
-    total = run_seconds(estimates)
-    left_out = eval_costs.uncounted_tasks(params) if params is not None else []
-    if total is not None:
-        qad_mfu, source = costs.train_mfu(costs.target_gpu(cap.target))
-        lines.append(f"time: ~{time_text(total)} along the DAG (MFU {costs.EVAL_MFU:.0%} forward, assumed; "
-                     f"{qad_mfu:.0%} QAD, {source}; see qad_pipeline/plan/costs.py)"
-                     + (f"; not counted: lm-eval tasks {', '.join(left_out)}" if left_out else ""))
-    lines += costs.eval_lines(estimates, params, cap.bf16_flops) if params is not None else []
-    return "\n".join(lines)

@@ -45,7 +45,7 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
 On CUDA the model's terms go to `device_bytes` (per GPU, + CUDA_CONTEXT) and the host keeps the
 process (+ CUDA_HOST_EXTRA) and what is copied to it (a checkpoint shard while saving, the
 export's read-back); on the CPU everything is `host_bytes`. `hardware.device_map: auto` spreads
-one model over every visible GPU and offloads what they cannot hold to the host. The constants
+one model over the GPUs its process gets and offloads what they cannot hold to the host. The constants
 were fitted on the CPU with `python benchmarks/memory_bench.py` (the demo model and a
 100M-parameter Llama, each stage within 30 % of its measured peak RSS); the CUDA ones are
 assumptions, not measurements. Memory-mapped files (the BF16 reference, checkpoints being read)

@@ -246,8 +246,11 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
     if summary.qad is not None:
         q = summary.qad
         verdict = "beats" if q.qad_beats_ptq else "does NOT beat"
+        batches = (f" of {q.batch_size * q.grad_accum} rows ({q.batch_size} x {q.grad_accum} micro-batches"
+                   f"{f', {q.world_size} processes' if q.world_size and q.world_size > 1 else ''})"
+                   if q.batch_size and q.grad_accum else "")
         out += [*heading("QAD"),
-                (f"QAD ({q.steps} steps, KD loss {q.first_loss:.5f} -> {q.final_loss:.5f}): "
+                (f"QAD ({q.steps} steps{batches}, KD loss {q.first_loss:.5f} -> {q.final_loss:.5f}): "
                  f"median recovery {100 * q.median_recovery:.2f} % (CI {_interval(q.median_recovery_ci)} %)"
                  f", {verdict} PTQ's {100 * q.ptq_median_recovery:.2f} %."), "",
                 *table(_qad_rows(q))]
@@ -267,6 +270,8 @@ def _sections(summary: RunSummary, table, heading) -> list[str]:
         out += [*heading("Served (vLLM)"), *_served_lines(summary.served, table)]
     for stage, lines in summary.sections.items():
         out += [*heading(stage), *lines, ""]
+    if summary.settled:
+        out += [*heading("Chosen by the memory plan"), f"For the settings left at auto: {', '.join(summary.settled)}.", ""]
     return out
 
 

@@ -28,6 +28,8 @@ class QADTraining(Strict):  # artifacts/qad/loss.json (tasks/qad.py: run_qad)
     tokens_per_step: int
     tokens_per_second: float | None
     seconds: float
+    batch_size: int | None = None  # rows per micro-batch over all processes (qad.batch_size, as the plan settled auto)
+    grad_accum: int | None = None  # micro-batches per step (None: a curve written before they were recorded)
     world_size: int
     sharding: str | None
     compute_dtype: str
@@ -59,6 +61,9 @@ class QADMetrics(Strict):  # metrics/qad.json (tasks/final_eval.py)
     final_loss: float
     first_loss: float
     steps_per_second: float | None
+    batch_size: int | None = None  # QAD's micro-batch and accumulation (artifacts/qad/loss.json)
+    grad_accum: int | None = None
+    world_size: int | None = None
     # comparison_table: rows bf16, ptq:<recipe>, qad with `name`, each task's score and
     # `<task>_recovery`, `median_recovery`, `kl_divergence`: one column per task, so a dict
     table: list[dict[str, Any]]

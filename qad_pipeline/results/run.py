@@ -34,6 +34,7 @@ class RunSummary(Strict):
     baseline_cached: bool = False
     seconds: dict[str, float] = {}
     root: str | None = None
+    settled: list[str] = []  # what the memory plan chose for the `auto` keys (flows/runtime.py: Job.settled)
     qad: QADMetrics | None = None
     export: ExportMetrics | None = None
     served: ServedEval | None = None  # with eval.backend vllm: the export scored as vLLM serves it

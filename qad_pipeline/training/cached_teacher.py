@@ -38,17 +38,17 @@ from qad_pipeline.scoring.reference import FILES, LOGIT_CHUNK_TOKENS, ReferenceW
 
 
 def used_windows(count: int, params: Params) -> np.ndarray:
-    """The windows QAD's `qad.steps` x `qad.grad_accum` batches draw, sorted."""
+    """The windows QAD's `qad.steps` steps of `qad.batch_size` x `qad.grad_accum` rows draw, sorted."""
     q = params.qad
-    stream = batch_indices(count, q.batch_size, q.seed)
-    return np.unique(np.concatenate([next(stream) for _ in range(q.steps * q.grad_accum)]))
+    stream = batch_indices(count, q.batch_size * q.grad_accum, q.seed)
+    return np.unique(np.concatenate([next(stream) for _ in range(q.steps)]))
 
 
 def cache_key(params: Params, windows: np.ndarray) -> str:
     """What the cache stands for: the training windows' tokens and the teacher's settings."""
     q, digest = params.qad, hashlib.sha256(np.ascontiguousarray(windows, dtype=np.int64).tobytes())
     digest.update(repr((params.base_model.model_dump(), q.temperature, q.teacher_top_k, q.teacher_tail_samples,
-                        q.steps, q.grad_accum, q.batch_size, q.seed)).encode())
+                        q.steps, q.batch_size * q.grad_accum, q.seed)).encode())
     return digest.hexdigest()
 
 

@@ -74,7 +74,7 @@ def launch_processes(params: Params, out_root: Path) -> None:
     from qad_pipeline.platform.runlock import LOCK_NAME, TOKEN_ENV
 
     check_processes(params)
-    command = sys.argv[1:]
+    command = [*sys.argv[1:], *pinned(params)]
     if command[:2] != ["stage", QAD.name]:
         raise ConfigError("qad.num_gpus > 1 runs from the `qad-pipeline stage qad` command, which starts itself "
                           f"under torchrun; this process runs {command[:2]}")
@@ -95,6 +95,25 @@ def launch_processes(params: Params, out_root: Path) -> None:
         raise
     if code != 0:
         raise StageError(f"qad: the torchrun processes failed (exit code {code}); the failing one's error is above")
+
+
+def submit_nodes(params: Params, out_root: Path, cluster) -> None:
+    """Run this process's own `qad-pipeline stage qad` command on `qad.num_nodes` nodes as a Kubeflow
+    TrainJob (`qad_pipeline.training.trainjob`) and wait for it."""
+    from qad_pipeline.platform.runlock import LOCK_NAME
+    from qad_pipeline.training.trainjob import run_trainjob, trainjob_manifest
+
+    token = json.loads((Path(out_root) / LOCK_NAME).read_text())["token"]  # the lock this stage holds for its run
+    command = ["qad-pipeline", *sys.argv[1:], *pinned(params)]
+    run_trainjob(trainjob_manifest(params, command, str(Path(out_root).resolve()), token, cluster),
+                 log=lambda line: print(line, flush=True))
+
+
+def pinned(params: Params) -> list[str]:
+    """`--set` options that pin QAD's settled GPUs and batches: the processes this one starts (torchrun's,
+    a TrainJob's) use this process's choice instead of settling `auto` again with less memory free."""
+    q = params.qad
+    return [arg for key in ("num_gpus", "batch_size", "grad_accum") for arg in ("--set", f"qad.{key}={getattr(q, key)}")]
 
 
 @dataclass(frozen=True)

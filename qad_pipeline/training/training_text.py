@@ -27,17 +27,18 @@ def training_windows(params: Params, tokenizer, data_dir: Path) -> np.ndarray:
             tokenizer, [(q.steps * q.batch_size * q.grad_accum * q.seq_len, 1.0)])
         docs = read_documents(cal.model_copy(update={"source": q.source}), enough)
     windows = token_windows(docs, tokenizer, params.qad.seq_len)
-    if len(windows) < params.qad.batch_size:
+    if len(windows) < q.batch_size * q.grad_accum:
         raise ConfigError(
-            f"QAD training text yields {len(windows)} windows of qad.seq_len = {params.qad.seq_len} tokens, "
-            f"fewer than one batch of {params.qad.batch_size}"
+            f"QAD training text yields {len(windows)} windows of qad.seq_len = {q.seq_len} tokens, fewer than one "
+            f"optimizer step's qad.batch_size x qad.grad_accum = {q.batch_size} x {q.grad_accum}"
         )
     return windows
 
 
 def batch_indices(count: int, batch_size: int, seed: int, skip: int = 0):
     """QAD's batches as window indices: an endless, seeded stream, reshuffled every epoch; `skip`
-    fast-forwards (resume). The live loop and the cache draw the same windows."""
+    fast-forwards (resume). The live loop and the cache draw the same windows: whole optimizer steps
+    (`batch_size` = a step's rows), whatever micro-batches the loop splits them into."""
     rng = np.random.default_rng(seed)
     n = 0
     while True:

@@ -74,6 +74,9 @@ def trainjob_manifest(params: Params, command: list[str], out_root: str, token: 
     if q.num_nodes < 2:
         raise ConfigError(f"qad.num_nodes = {q.num_nodes}: a TrainJob is for QAD on several nodes; one node runs "
                           "as a stage of the qad-gpu pool")
+    if not q.settled:  # every node must run one choice: the plan's, stated
+        raise ConfigError("qad.num_gpus, qad.batch_size or qad.grad_accum is auto: a TrainJob's nodes must share one "
+                          "choice; set them (`qad-pipeline plan` prints what auto chooses)")
     if not out_root.startswith("/"):
         raise ConfigError(f"out-root {out_root!r} must be an absolute path on the shared volume (e.g. "
                           f"{PROJECT_DIR}/runs/<name>), the same on every node")
