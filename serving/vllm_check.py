@@ -7,8 +7,8 @@ It imports only vLLM (and what vLLM brings), never the project: the project and 
 transformers releases, so they live in two environments and talk through two JSON files.
 
 REQUEST: {"level": "auto" | "full" | "config", "prompts": [[token ids], ...], "logprobs": K,
-          "max_model_len": N, "view": "w4a4" | "w4a16"}
-OUT:     {"vllm_version", "config": {...}, "full": {...} | null, "full_error": str | null}
+          "max_model_len": N, "views": ["w4a16", "w4a4"] (one engine after the other)}
+OUT:     {view: {"config": {...}, "full": {...} | null, "full_error": str | null, "platform_limit": bool}}
 
 config  what vLLM's own loader decides for this checkpoint, without loading weights: the
         quantization method it detects (`ModelConfig`), the KV-cache dtype that `auto` resolves to,
@@ -25,6 +25,7 @@ view    w4a4: the checkpoint as stored. w4a16: a copy (links to the same weight 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -222,13 +223,19 @@ def main() -> int:
         return 0
     folder, request_file, out_file = (Path(a) for a in sys.argv[1:4])
     request = json.loads(request_file.read_text())
-    if request.get("view") == "w4a16":
-        with tempfile.TemporaryDirectory(prefix="qad-w4a16-") as tmp:
-            return check(w4a16_copy(folder, Path(tmp)), request, out_file, weights_only=True)
-    return check(folder, request, out_file)
+    sides = {}
+    for view in request["views"]:  # one engine after the other, in this process
+        if view == "w4a16":
+            with tempfile.TemporaryDirectory(prefix="qad-w4a16-") as tmp:
+                sides[view] = check(w4a16_copy(folder, Path(tmp)), request, weights_only=True)
+        else:
+            sides[view] = check(folder, request)
+        gc.collect()  # the view's engine, before the next one starts
+    Path(out_file).write_text(json.dumps(sides))
+    return 0
 
 
-def check(folder: Path, request: dict, out_file: Path, weights_only: bool = False) -> int:
+def check(folder: Path, request: dict, weights_only: bool = False) -> dict:
     out: dict = {"config": None, "full": None, "full_error": None, "platform_limit": False}
     out["config"] = config_check(folder, request["max_model_len"])
     if request["level"] in ("auto", "full") and out["config"]["quantization"] is not None:
@@ -240,8 +247,7 @@ def check(folder: Path, request: dict, out_file: Path, weights_only: bool = Fals
             out["full_error"] = text[-2000:]
             out["platform_limit"] = any(m in text for m in PLATFORM_LIMITS) or (
                 on_cpu() and any(m in text for m in CPU_LIMITS))
-    Path(out_file).write_text(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ def test_with_a_gpu_visible_auto_takes_it_and_device_map_decides_the_spread(monk
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device(hardware()) == "cuda"
-    assert placement(hardware()) == {"device_map": {"": 3}}
+    assert placement(hardware("hardware.device_map=single")) == {"device_map": {"": 3}}
+    assert placement(hardware()) == {"device_map": "auto"}  # the default: the plan's GPUs, spread as needed
     caps = placement(hardware("hardware.device_map=auto", 'hardware.max_memory={"0": "70GiB", "cpu": "400GiB"}'))
     assert caps == {"device_map": "auto", "max_memory": {0: "70GiB", "cpu": "400GiB"}}
     assert resolve_device(hardware("hardware.device=cpu")) == "cpu"

@@ -141,7 +141,12 @@ class Work:
     @property
     def qad_tokens(self) -> int:
         q = self.params.qad
-        return q.steps * q.batch_size * q.grad_accum * q.seq_len
+        return q.steps * rows_per_step(q) * q.seq_len
+
+
+def rows_per_step(q) -> int:
+    """What one QAD optimizer step trains on, whether the plan has settled `qad.batch_size` or not."""
+    return q.effective_batch_size if q.batch_size == "auto" else q.batch_size * q.grad_accum
 
 
 def _no_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
@@ -197,7 +202,7 @@ def qad_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
 def teacher_cache_bytes(params: Params, shape: ModelShape, item: str | None) -> int:
     """Per token of the windows QAD draws (at most all its steps' tokens)."""
     q = params.qad
-    return q.steps * q.grad_accum * q.batch_size * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
+    return q.steps * rows_per_step(q) * q.seq_len * (8 * (q.teacher_top_k + q.teacher_tail_samples) + 4)
 
 
 def export_disk(params: Params, shape: ModelShape, item: str | None) -> int:
