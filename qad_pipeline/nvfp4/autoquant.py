@@ -14,7 +14,7 @@ by the BPE sweep (`tasks/sweep.py`). Its `metadata.recipe_type` is `auto_quantiz
       num_calib_steps: 4            # calibration batches per candidate format
       num_score_steps: 4            # scoring batches
       kv_cache: FP8_KV_CFG          # fixed, not searched: a Model Optimizer KV-cache config, or null
-      keep_bf16: ['*q_proj*', ...]  # never quantized (the fixed recipes' rules: attention in BF16)
+      keep_bf16: ['<attention>*']  # never quantized (a `<role>`, qad_pipeline/nvfp4/roles.py, or names)
 
 Model Optimizer scores every layer's sensitivity to each candidate once and solves for the budget;
 its search state (`checkpoint`) holds each format's calibration and the scores, so a second budget
@@ -178,18 +178,26 @@ def check_budget(spec: AutoQuantizeSpec, budget: float, what: str, low: float) -
 def check_recipe(recipe_path: Path, budgets: list[float] = (), base_model=None) -> AutoQuantizeSpec:
     """Validate an AutoQuantize recipe as `search` will use it, and each budget it will run at
     (against this base model's minimum when `base_model` is given, else the formats' bound)."""
+    from qad_pipeline.nvfp4.roles import ROLES, unknown_roles
+
     spec = load_recipe(recipe_path)
+    unknown = unknown_roles([{"quantizer_name": p} for p in spec.keep_bf16])
+    if unknown:
+        raise ConfigError(f"recipe {recipe_path}: keep_bf16: <{unknown[0]}> is not a role; roles are {', '.join(ROLES)}")
     low = minimum_budget(spec, base_model)
     for budget in [spec.effective_bits, *budgets]:
         check_budget(spec, budget, f"recipe {recipe_path}", low)
     return spec
 
 
-def disabled_layers(spec: AutoQuantizeSpec, tied_lm_head: bool) -> list[str]:
-    """Layers never searched: the recipe's `keep_bf16`, routers and convolutions (as Model Optimizer's
-    default disabled quantizers say) and a tied `lm_head` (it is the embedding table)."""
-    fixed = ["*mixer.conv1d*", "*mlp.gate.*", "*router*", "*block_sparse_moe.gate*", "mtp.*"]
-    return [*spec.keep_bf16, *fixed, *(["*lm_head*"] if tied_lm_head else [])]
+def disabled_layers(spec: AutoQuantizeSpec, tied_lm_head: bool, model) -> list[str]:
+    """Layers never searched: the recipe's `keep_bf16`, the model's routers (by role,
+    `qad_pipeline.nvfp4.roles`) and what Model Optimizer's default disabled quantizers name
+    (convolutions, routers, MTP), and a tied output projection (it is the embedding table)."""
+    from qad_pipeline.nvfp4.roles import expand_names
+
+    fixed = ["<router>*", "*mixer.conv1d*", "*mlp.gate.*", "*router*", "*block_sparse_moe.gate*", "mtp.*"]
+    return expand_names([*spec.keep_bf16, *fixed, *(["<lm_head>*"] if tied_lm_head else [])], model)
 
 
 def batches(samples: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -228,7 +236,7 @@ def search(model, spec: AutoQuantizeSpec, samples: torch.Tensor, batch_size: int
             data_loader=data,
             forward_step=forward_step,
             loss_func=(lambda output, batch: output.loss) if spec.method == "gradient" else None,
-            disabled_layers=disabled_layers(spec, tied_lm_head),
+            disabled_layers=disabled_layers(spec, tied_lm_head, model),
             num_calib_steps=min(spec.num_calib_steps, len(data)),
             num_score_steps=min(spec.num_score_steps, len(data)),
             method=spec.method,

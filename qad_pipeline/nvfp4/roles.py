@@ -96,6 +96,11 @@ def unknown_roles(quant_cfg: list[dict]) -> list[str]:
     return sorted({m for n in names if isinstance(n, str) for m in PLACEHOLDER.findall(n) if m not in ROLES})
 
 
+def expand_names(patterns: list[str], model: nn.Module) -> list[str]:
+    """Module-name patterns (AutoQuantize's `disabled_layers`) with each `<role>` resolved as in `expand_roles`."""
+    return [rule["quantizer_name"] for rule in expand_roles([{"quantizer_name": p} for p in patterns], model)]
+
+
 def expand_roles(quant_cfg: list[dict], model: nn.Module) -> list[dict]:
     """`quant_cfg` with each rule whose `quantizer_name` holds a `<role>` placeholder replaced by one
     rule per pattern of that role's modules in `model` (none where the model has no such module: a
