@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from qad_pipeline.plan import costs, eval_costs, gpus
 from qad_pipeline.plan.capacity import Capacity, capacity
 from qad_pipeline.core.config import ConfigError, Params
-from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, ModelShape,
+from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
                                        Phase, model_shape, stage_memory, stage_phases)
 from qad_pipeline.core.stages import QAD, RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
 
