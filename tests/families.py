@@ -55,16 +55,19 @@ FAMILIES = {f.name: f for f in [
 
 def run_family(family: Family, folder: Path, tokenizer_dir: Path):
     """Build the family's model into `folder/model` and run every stage of the DAG on it, as
-    `qad-pipeline stage` runs each (the five recipes one after another); returns (params, layout)."""
+    `qad-pipeline stage` runs each (the five recipes one after another), with the defaults' `auto`
+    settled for this machine as it does; returns (params, layout)."""
     from transformers import AutoTokenizer
 
     from qad_pipeline.cli import Stage, run_stage
+    from qad_pipeline.plan.memory import settled_here
 
     model_dir = folder / "model"
     family.build().save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(model_dir)
     params = load_params(overrides=TINY + [f"base_model.path={model_dir}", "eval.tasks=[heldout_continuation]",
                                            *family.overrides])
+    params = settled_here(params)  # each `auto` for this machine, as `qad-pipeline stage` settles it
     layout = Layout(folder / "out")
     for stage in STAGES:
         for recipe in (params.ptq.recipes if stage == "ptq" else [None]):
