@@ -35,7 +35,8 @@ def is_experts(module: nn.Module) -> bool:
 
 def fused_experts(module: nn.Module) -> bool:
     """Every expert's projections in 3-D parameters (a convolution's 3-D kernel is not)."""
-    return not isinstance(module, nn.modules.conv._ConvNd) and any(p.dim() == 3 for p in module.parameters(recurse=False))
+    return not isinstance(module, nn.modules.conv._ConvNd) and any(
+        p.dim() == 3 for p in module.parameters(recurse=False))
 
 
 def _role_of(ancestors: list[nn.Module], module: nn.Module) -> str:
@@ -78,13 +79,14 @@ def module_roles(model: nn.Module) -> dict[str, str]:
 def role_patterns(roles: dict[str, str]) -> dict[str, list[str]]:
     """{role: name patterns}: each module's name with its layer and expert indices as `*`
     (`model.layers.*.self_attn.q_proj`), where that pattern matches no module of another role;
-    otherwise the module's own name."""
+    otherwise the module's own name. Each distinct pattern is checked once against the modules (a
+    model with per-expert linear layers has tens of thousands of names and a few dozen patterns)."""
+    general = {name: re.sub(r"\.\d+(?=\.|$)", ".*", name) for name in roles}
+    clashes = {(g, role): any(other != role and (fnmatch(n, g) or fnmatch(n, g + ".*")) for n, other in roles.items())
+               for g, role in {(general[name], role) for name, role in roles.items()}}
     patterns: dict[str, list[str]] = {role: [] for role in ROLES}
     for name, role in roles.items():
-        general = re.sub(r"\.\d+(?=\.|$)", ".*", name)
-        clash = any(other != role and (fnmatch(n, general) or fnmatch(n, general + ".*"))
-                    for n, other in roles.items())
-        pattern = name if clash else general
+        pattern = name if clashes[general[name], role] else general[name]
         if pattern not in patterns[role]:
             patterns[role].append(pattern)
     return patterns
