@@ -202,13 +202,15 @@ def run_selection(params: Params, layout: Layout) -> SelectionResult:
     baseline = read_result(layout.baseline_metrics, BaselineMetrics)
     items = layout.items("baseline")
     baseline_items = read_json(items) if items.is_file() else None
-    aliases = recipe_aliases(params)  # re-checked: a recipe file may have changed since its PTQ run
+    aliases: dict[str, str] | None = None  # re-checked for a recorded alias: its recipe file may have changed since
     race = read_result(layout.race_metrics, RaceResult) if params.race.enabled else None
     raced = {c.name for c in race.candidates} if race else set()
     rows: dict[str, RecipeRow] = {}
     for name in [*params.ptq.recipes, *sweep_candidates(params, layout)]:
         folder = layout.race(name) if name in raced else layout.candidate(name)  # raced: merged over its rounds
         metrics = recipe_metrics(name, folder, baseline, baseline_items)
+        if metrics.status == "alias" and aliases is None:  # Model Optimizer (~10 s to import) only where needed
+            aliases = recipe_aliases(params)
         if metrics.status == "alias" and aliases.get(name) != metrics.alias_of:
             metrics = RecipeFailed(recipe=name, status="failed",
                                    error=f"recorded as the same as {metrics.alias_of}, which it no longer is; "

@@ -2,9 +2,9 @@
 Prefect server within seconds, leaves nothing half-written and no RUNNING MLflow run; `kill -9`
 leaves no process of the run behind either (its watchdog stops the temporary server and the stage);
 and the same command then resumes without running anything that finished again: killed in
-final_eval, then in the export, then in the served eval, every finished stage comes from Prefect's
-cache (no process: its usage file is untouched), QAD trains no step again, and the metrics are the
-first finish's. Real processes, no mocks."""
+final_eval, then in the served eval (the last stage: the export finished before it), every finished
+stage comes from Prefect's cache (no process: its usage file is untouched), QAD trains no step again,
+and the metrics are the first finish's. Real processes, no mocks."""
 
 import hashlib
 import os
@@ -205,30 +205,27 @@ def cached(console: str, stage: str) -> bool:
 
 
 def resume_killed_after_qad(command: list[str], env: dict, root: Path, tmp_path: Path) -> list[str]:
-    """The same command: killed (-9) in final_eval, in the export, in the served eval, then to its end;
-    no finished stage runs again, QAD trains no step again. Returns the consoles."""
+    """The same command: killed (-9) in final_eval, then in the served eval, then to its end; no
+    finished stage runs again, QAD trains no step again. Returns the consoles."""
     loss, scores, exported = (root / "artifacts" / "qad" / "loss.json", root / "metrics" / "qad.json",
                               root / "metrics" / "export.json")
     first = run_until(command, env, tmp_path / "2.log", root, "final_eval")
     trained, before = digest(loss), usage(root)
     assert "qad" in before and "final_eval" not in before
 
-    second = run_until(command, env, tmp_path / "3.log", root, "export")
+    second = run_until(command, env, tmp_path / "3.log", root, "served_eval")
     assert cached(second, "qad") and digest(loss) == trained and usage(root)["qad"] == before["qad"], (
         "QAD trained again after a kill in final_eval")
-    evaluated, before = digest(scores), usage(root)
+    for stage in ("calibration", "baseline", f"ptq-{RECIPE}"):
+        assert cached(second, stage) and usage(root)[stage] == before[stage], f"{stage} ran again after a kill in final_eval"
+    evaluated, packed, before = digest(scores), digest(exported), usage(root)
 
-    third = run_until(command, env, tmp_path / "4.log", root, "served_eval")
-    for stage in ("calibration", "baseline", f"ptq-{RECIPE}", "qad", "final_eval"):
-        assert cached(third, stage) and usage(root)[stage] == before[stage], f"{stage} ran again after a kill in export"
-    packed, before = digest(exported), usage(root)
-
-    last = run_until(command, env, tmp_path / "5.log", root)
+    last = run_until(command, env, tmp_path / "4.log", root)
     for stage in ("calibration", "baseline", f"ptq-{RECIPE}", "qad", "final_eval", "export"):
         assert cached(last, stage) and usage(root)[stage] == before[stage], f"{stage} ran again after a kill in served_eval"
     assert usage(root)["served_eval"] > before.get("served_eval", 0) and (root / "metrics" / "served.json").is_file()
     assert (digest(loss), digest(scores), digest(exported)) == (trained, evaluated, packed), "the metrics changed"
-    return [first, second, third, last]
+    return [first, second, last]
 
 
 def test_watchdog_ends_with_its_run_and_stops_only_what_the_run_left_behind():
