@@ -1,9 +1,11 @@
-"""The memory plan against measured peaks: `python benchmarks/memory_bench.py [--work DIR] [--models demo llama]`.
+"""The memory plan against measured peaks: `python benchmarks/memory_bench.py [--work DIR] [--models demo llama ...]`.
 
-For the bundled demo model and a ~100M-parameter Llama built from a config (benchmarks/models.py,
-random weights), runs every stage process one after another (`qad-pipeline stage ...`, as the
-flow does) and prints, per stage, the memory plan's host estimate, the measured peak resident
-memory of the process (its ru_maxrss, from wait4) and their ratio. The goal is 0.7-1.3.
+For the bundled demo model, a ~100M-parameter Llama built from a config (benchmarks/models.py,
+random weights) and the architecture matrix's families (tests/families.py: `llama-2l`, `gemma3`,
+`qwen3`, `qwen3_moe`, `mistral`, `phi3`, two layers each), runs every stage process one after
+another (`qad-pipeline stage ...`, as the flow does) and prints, per stage, the memory plan's host
+estimate, the measured peak resident memory of the process (its ru_maxrss, from wait4) and their
+ratio. The goal is 0.7-1.3.
 
 Both models run on the CPU with two recipes (a dynamic one and a static four-over-six one) and
 settings small enough for a few minutes per stage that still exercise vocabulary x token memory.
@@ -37,6 +39,8 @@ MODELS = {
               "eval.seq_len=256", "eval.batch_size=8", "eval.ppl_samples=16", "qad.batch_size=4",
               "qad.seq_len=256", "qad.compute_dtype=bfloat16"],
 }
+FAMILY = "{}-2l"  # the matrix's Llama is `llama-2l` here: `llama` is the 100M one above
+FAMILIES = ["llama", "gemma3", "qwen3", "qwen3_moe", "mistral", "phi3"]  # tests/families.py
 STAGES = ["calibration", "baseline", *(f"ptq/{r}" for r in RECIPES), "selection", "qad", "final_eval", "export"]
 
 
@@ -69,10 +73,24 @@ def measure(stage: str, overrides: list[str], root: Path) -> tuple[float, float]
     return int(done.stdout.split()[-1]) / 1024, time.time() - started
 
 
+def build_family(family: str, folder: Path, tokenizer_dir: Path) -> Path:
+    """The matrix's two-layer model of `family` (tests/families.py), saved with the demo's tokenizer."""
+    from transformers import AutoTokenizer
+
+    sys.path.insert(0, str(ROOT))
+    from tests.families import FAMILIES
+
+    if not (folder / "config.json").is_file():
+        FAMILIES[family].build().save_pretrained(folder)
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None, help="keep the outputs here")
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    names = [*MODELS, *(FAMILY.format(f) if f == "llama" else f for f in FAMILIES)]
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=names)
     ap.add_argument("--stages", nargs="+", default=STAGES, choices=STAGES)
     ap.add_argument("--reuse", action="store_true", help="the peaks measured before in --work")
     args = ap.parse_args()
@@ -85,8 +103,11 @@ def main() -> None:
 
     rows = []
     for name in args.models:
-        path = DEMO_MODEL if name == "demo" else build_llama(work / "llama-model")
-        overrides = [f"base_model.path={path}", *COMMON, *MODELS[name]]
+        if name in MODELS:
+            path = DEMO_MODEL if name == "demo" else build_llama(work / "llama-model")
+        else:
+            path = build_family(name.removesuffix("-2l"), work / f"{name}-model", DEMO_MODEL)
+        overrides = [f"base_model.path={path}", *COMMON, *MODELS.get(name, [])]
         params = load_params(ROOT / "params.yaml", overrides)
         cap = capacity.Capacity("cpu", 1 << 50)  # the estimates themselves, whatever this machine has free
         estimates = {e.stage: e for e in memory.plan(params, cap)}

@@ -151,7 +151,10 @@ def recipe_settings(model, recipe_path: Path) -> dict:
         method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
         four_over_six = any(isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
                             for _, _, q in quantized_weights(model))
-        chosen = {"algorithm": str(method), "weight_scale": "four_over_six" if four_over_six else str(method)}
+        weight_scale = method  # activation headroom leaves the weights to its own weight-scale algorithm
+        if method == "nvfp4_act_headroom":
+            weight_scale = (algorithm.get("weight_scale_algorithm") or {}).get("method", "max")
+        chosen = {"algorithm": str(method), "weight_scale": "four_over_six" if four_over_six else str(weight_scale)}
     mamba_formats = set()
     for m in model.modules():
         if "Mamba" not in type(m).__name__:

@@ -27,6 +27,14 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidde
              num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
 STAGES = ["calibration", "baseline", "ptq", "selection", "qad", "final_eval", "export"]
 AGGRESSIVE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
+SEED_RECIPES = load_params().ptq.recipes  # params.yaml's five
+
+
+def beside_the_five(recipe: str) -> tuple[str, ...]:
+    """Run `recipe` after the seed's five and export its checkpoint (not the QAD student's), so that
+    the export checks and vLLM's serving check read what it wrote."""
+    return f"ptq.recipes=[{', '.join([*SEED_RECIPES, recipe])}]", f"export.source=ptq/{recipe}"
+
 
 
 @dataclass(frozen=True)
@@ -43,13 +51,18 @@ class Family:
 
 
 FAMILIES = {f.name: f for f in [
-    Family("llama", T.LlamaForCausalLM, T.LlamaConfig, {}, ("ptq.layerwise=true",)),  # Model Optimizer's layerwise
+    # Model Optimizer's layerwise calibration, and GPTQ's sequential mode with it (each layer's Hessian
+    # from the quantized layers before it)
+    Family("llama", T.LlamaForCausalLM, T.LlamaConfig, {},
+           ("ptq.layerwise=true", *beside_the_five("nvfp4_gptq-mamba_fp8-kv_fp8"))),
     Family("gemma3", T.Gemma3ForCausalLM, T.Gemma3TextConfig, dict(sliding_window=32)),  # tied, sliding + global
     Family("qwen3", T.Qwen3ForCausalLM, T.Qwen3Config, dict(tie_word_embeddings=True)),  # q/k norms, tied
     Family("qwen3_moe", T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig,
            dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),  # fused experts, router
-    Family("mistral", T.MistralForCausalLM, T.MistralConfig, dict(sliding_window=32)),
-    Family("phi3", T.Phi3ForCausalLM, T.Phi3Config, dict(pad_token_id=0)),  # fused qkv_proj, gate_up_proj
+    Family("mistral", T.MistralForCausalLM, T.MistralConfig, dict(sliding_window=32),
+           beside_the_five("nvfp4_headroom-mamba_fp8-kv_fp8")),
+    Family("phi3", T.Phi3ForCausalLM, T.Phi3Config, dict(pad_token_id=0),  # fused qkv_proj, gate_up_proj
+           beside_the_five("nvfp4_lhessian-mamba_fp8-kv_fp8")),
 ]}
 
 

@@ -18,9 +18,12 @@ def check_family(name: str, params, layout) -> None:
     statuses = {r: ptq_scores(layout, r)["status"] for r in params.ptq.recipes}
     assert set(statuses.values()) <= {"ok", "alias"} and list(statuses.values()).count("ok") >= 4, statuses
     # each role in the format the recipes state for it, whatever the family names its layers
-    formats = ptq_scores(layout, AGGRESSIVE)["layer_formats"]
     expected = expected_formats(model_dir)
-    assert {n: formats.get(n) for n in expected} == expected
+    exported = params.export.source.removeprefix("ptq/") if params.export.source.startswith("ptq/") else None
+    for recipe in {AGGRESSIVE, exported} - {None}:  # a recipe beside the five: its export is checked below
+        assert statuses[recipe] == "ok", statuses
+        formats = ptq_scores(layout, recipe)["layer_formats"]
+        assert {n: formats.get(n) for n in expected} == expected, recipe
     assert ptq_scores(layout, AGGRESSIVE)["kv_cache"] == "nvfp4"
     if params.ptq.layerwise is True:
         assert ptq_scores(layout, AGGRESSIVE)["layerwise"]["layers"] == 2
@@ -29,6 +32,7 @@ def check_family(name: str, params, layout) -> None:
     qad = read_json(layout.metrics / "qad.json")
     assert qad["steps"] == params.qad.steps and qad["median_recovery"] > 0
     export = read_json(layout.metrics / "export.json")
+    assert export["source"] == (f"ptq/{exported}" if exported else "qad"), export["source"]
     assert export["passed"] and all(c["passed"] for c in export["checks"].values()), export["checks"]
     serving = export["serving_check"]
     assert "serving check passed" in serving["summary"], serving

@@ -21,7 +21,8 @@ What this module adds to Model Optimizer's:
   recipe) is left uncalibrated (a dynamic global scale with `max`; a crash in the first forward
   with the static NVFP4 weights of `mse`/four-over-six). `calibrate_outside_layers` runs the
   recipe's own algorithm, through Model Optimizer's calibration-mode entry point, on those
-  modules' weights. An input quantizer there would need activations no layer-by-layer pass
+  modules' weights (GPTQ as its first step, max scales, and the local-Hessian search as plain MSE:
+  both need the layer's inputs, `weight_only`). An input quantizer there would need activations no layer-by-layer pass
   produces: such a recipe is refused before any layer is calibrated (`check_outside_layers`).
   (Fixed upstream in NVIDIA/Model-Optimizer#2339, after 0.47.)
 """
@@ -145,13 +146,28 @@ def check_outside_layers(model, recipe: str) -> None:
                               "set ptq.layerwise to false for it")
 
 
+def weight_only(algorithm: dict) -> dict:
+    """The recipe's `algorithm` as it can run on weights alone: GPTQ's Hessian and the local-Hessian
+    metric need the layer's inputs, which no forward brings outside the decoder layers, so there
+    GPTQ keeps its own first step (max block scales) and the local-Hessian search becomes the plain
+    MSE search it weights (same candidates); every other algorithm is unchanged."""
+    method = algorithm.get("method")
+    if method == "gptq":
+        return {"method": "max"}
+    if method == "local_hessian":
+        return {"method": "mse", **{k: v for k, v in algorithm.items()
+                                    if k in ("step_size", "start_multiplier", "stop_multiplier", "fp8_scale_sweep")}}
+    return algorithm
+
+
 def calibrate_outside_layers(model, algorithm: dict) -> list[str]:
-    """Calibrate the weight quantizers outside the decoder layers with the recipe's `algorithm`, through
-    Model Optimizer's calibration-mode entry point (what `mtq.calibrate` applies), weight-only (no
-    forward pass: `check_outside_layers` made sure no activation is quantized there). Returns their names."""
+    """Calibrate the weight quantizers outside the decoder layers with the recipe's `algorithm` (as
+    `weight_only` runs it), through Model Optimizer's calibration-mode entry point (what
+    `mtq.calibrate` applies), weight-only (no forward pass: `check_outside_layers` made sure no
+    activation is quantized there). Returns their names."""
     from modelopt.torch.quantization.mode import CalibrateModeRegistry, get_modelike_from_algo_cfg
 
-    [(mode, settings)] = get_modelike_from_algo_cfg(algorithm)
+    [(mode, settings)] = get_modelike_from_algo_cfg(weight_only(algorithm))
     descriptor = CalibrateModeRegistry[mode]
     config = descriptor.config_class(**settings)
     names = []

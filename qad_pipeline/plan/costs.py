@@ -36,8 +36,12 @@ tokens (`qad_pipeline.plan.eval_costs`: the project's tasks, the standard suite'
 other registry task is not counted, the plan says so). With racing a PTQ recipe evaluates round 1's
 items and the race stage is priced at its worst case (every recipe finishes every round).
 The export is bounded by the disk: twice its bytes (written, read back) at DISK_BYTES_PER_S.
-Model Optimizer's MSE / four-over-six scale searches and AutoQuantize's scoring are not counted.
-EVAL_MFU, TRAIN_MFU and the disk speed are assumptions, not measurements.
+A GPTQ recipe adds its Hessian pass (one more calibration forward, and 2·in² FLOPs per token and
+quantized weight for X·Xᵀ, at EVAL_MFU) and its weight update (`ModelShape.gptq_update_flops` at
+GPTQ_UPDATE_MFU, plus GPTQ_COLUMN_S per weight column: the update rounds one column at a time).
+Model Optimizer's MSE / four-over-six / local-Hessian scale searches and AutoQuantize's scoring are
+not counted. EVAL_MFU, TRAIN_MFU, the GPTQ constants and the disk speed are assumptions, not
+measurements.
 """
 
 from __future__ import annotations
@@ -47,13 +51,15 @@ from dataclasses import dataclass
 
 from qad_pipeline.core.config import Params
 from qad_pipeline.plan.eval_costs import EvalCost, stage_cost, summary
-from qad_pipeline.plan.memory_model import DTYPE_BYTES, ModelShape, model_shape, static_block_scales
+from qad_pipeline.plan.memory_model import DTYPE_BYTES, ModelShape, model_shape, recipe_algorithm, static_block_scales
 from qad_pipeline.checks.serving_reference import PROMPT_LEN, PROMPTS, reference_bytes
 from qad_pipeline.nvfp4.sizes import tokenizer_bytes
 from qad_pipeline.core.stages import stage_of
 
 EVAL_MFU = 0.25                # forwards through transformers with fake quantization (assumed)
 TRAIN_MFU = 0.30               # QAD: FSDP2, fake quantization, a KD loss over the vocabulary (assumed)
+GPTQ_UPDATE_MFU = 0.05         # GPTQ's float32 block updates and Cholesky, of the dense BF16 peak (assumed)
+GPTQ_COLUMN_S = 1e-4           # per weight column: GPTQ rounds and propagates one column at a time (assumed)
 DISK_BYTES_PER_S = 2e9         # a local NVMe or a parallel filesystem (assumed)
 # QAD's MFU measured per GPU (a `targets.GPUS` name): `python benchmarks/qad_throughput.py --device cuda`
 # (a ~1B Llama, sequence 4096, NVFP4 student, live teacher; MFU as that benchmark counts it). Each entry
@@ -113,11 +119,12 @@ def seconds(stage: str, params: Params, shape: ModelShape, bf16_flops: float | N
             gpu: str | None = None) -> float | None:
     """Estimated wall time of one process of `stage` on GPUs of `bf16_flops` dense BF16 peak each, named
     `gpu` where known (None: no GPU to estimate for; 0: a stage that loads no model)."""
-    declared, _ = stage_of(stage)
+    declared, item = stage_of(stage)
     model = declared.load("cost")
     if bf16_flops is None:
         return None
-    return model.seconds(Work(params, shape, bf16_flops, gpu, eval_seconds(stage_cost(stage, params), shape, bf16_flops)))
+    return model.seconds(Work(params, shape, bf16_flops, gpu, eval_seconds(stage_cost(stage, params), shape, bf16_flops),
+                              item))
 
 
 # -- the cost models: each stage's `cost` names one ------------------------------------------------
@@ -133,6 +140,7 @@ class Work:
     bf16_flops: float
     gpu: str | None
     evaluation: float
+    item: str | None = None  # the stage's recipe (ptq), budget (sweep) or None
 
     @property
     def forward(self) -> float:
@@ -226,6 +234,16 @@ def calibrating(work: Work) -> float:
     return work.forward * calib / (work.bf16_flops * EVAL_MFU) + work.evaluation
 
 
+def quantizing(work: Work) -> float:
+    """A PTQ recipe: `calibrating`, and a GPTQ recipe's Hessian pass and weight update."""
+    if recipe_algorithm(work.params.recipe_path(work.item))["method"] != "gptq":
+        return calibrating(work)
+    shape, calib = work.shape, work.params.calibration.num_samples * work.params.calibration.seq_len
+    hessian_pass = (work.forward + 2 * shape.hessian_elems) * calib / (work.bf16_flops * EVAL_MFU)
+    return (calibrating(work) + hessian_pass + shape.gptq_update_flops / (work.bf16_flops * GPTQ_UPDATE_MFU)
+            + shape.quantized_inputs * GPTQ_COLUMN_S)
+
+
 def training(work: Work) -> float:
     """The teacher's forward, the student's forward and backward; 3 forwards' worth without the teacher."""
     q = work.params.qad
@@ -243,7 +261,7 @@ def disk_bound(work: Work) -> float:
 
 CALIBRATION = CostModel(disk=token_bytes)
 BASELINE = CostModel(disk=reference_bytes_bf16, seconds=evaluating)
-PTQ = CostModel(disk=recipe_checkpoint, seconds=calibrating)
+PTQ = CostModel(disk=recipe_checkpoint, seconds=quantizing)
 SWEEP_SEARCH = CostModel(seconds=calibrating)
 SWEEP = CostModel(disk=sweep_checkpoint, seconds=calibrating)
 TEACHER_CACHE = CostModel(disk=teacher_cache_bytes, seconds=teacher_forward)

@@ -202,6 +202,17 @@ def _qad_switches(params: Params) -> list[tuple[str, object]]:
     return switches
 
 
+def _ptq_switches(stage: str, params: Params) -> list[tuple[str, object]]:
+    """A GPTQ recipe holds every weight's Hessian at once unless ptq.layerwise is true (one decoder
+    layer's at a time)."""
+    from qad_pipeline.plan.memory_model import recipe_algorithm
+
+    name, _, recipe = stage.partition("/")
+    if name != "ptq" or params.ptq.layerwise is True or recipe_algorithm(params.recipe_path(recipe))["method"] != "gptq":
+        return []
+    return [("ptq.layerwise", True)]
+
+
 def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     """What to turn so that `est` fits: the knob of its peak phase first, with the largest value
     that fits, then the stage's other knobs; else what no setting of this run can change."""
@@ -212,8 +223,9 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
     if STAGES[name].over_recipes and at_once > 1 and _fits(stage, params, cap, 1):
         most = max(1, cap.host_bytes // est.host_bytes)
         return f"{stage}: ptq.max_parallel={params.ptq.max_parallel} {why}; the largest that fits is {most}"
-    switches = [f"{knob}={value}".replace("True", "true") for knob, value in _qad_switches(params)
-                if ranked and _fits(stage, _with(params, knob, value), cap, at_once)]
+    settings = _qad_switches(params) if ranked else _ptq_switches(stage, params)
+    switches = [f"{knob}={value}".replace("True", "true") for knob, value in settings
+                if _fits(stage, _with(params, knob, value), cap, at_once)]
     alternative = f"; or set {' or '.join(switches)}" if switches else ""
     phase_knob = next((p.knob for p in stage_phases(stage, params, model_shape(params.base_model), cap.device)
                        if p.name == est.phase), None)
@@ -235,7 +247,7 @@ def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
         return f"{stage}: {lowered(*found)}{alternative}"
     if switches:
         return f"{stage}: {why}; set {' or '.join(switches)}"
-    for knob, value in (_qad_switches(params) if ranked else []):  # a switch and a smaller knob together
+    for knob, value in settings:  # a switch and a smaller knob together
         found = knob_that_fits(_with(params, knob, value))
         if found:
             return f"{stage}: {lowered(*found)} with {knob}={str(value).lower()}; set both"

@@ -28,7 +28,12 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       when it also sweeps the FP8 scale (fp8_scale_sweep), S the elements searched at
                       once: ptq.mse_chunk_rows x the widest row, at most Nmax (null: Nmax, whole
                       weights; qad_pipeline/nvfp4/mse_chunks.py), + mse_block_amax Nmax/16·4·3 when
-                      chunked (the largest weight's initial, chunked and concatenated block amax)
+                      chunked (the largest weight's initial, chunked and concatenated block amax);
+                      local_hessian searches whole weights (S = Nmax) and adds local_hessians
+                      Σin·16·4 (a 16 x 16 Hessian per block)
+    gptq              GPTQ's Hessians: Σin² · 4 over the weights the recipes quantize, all at once
+                      (the largest decoder layer's with ptq.layerwise true), + the calibration
+                      forward + per weight its inverse (in² · 4 · 2) and GPTQ_UPDATE_COPIES of it
     qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (all four divided by
                       the W = qad.num_gpus x qad.num_nodes processes with fsdp, plus two gathered
                       blocks and the gathered embeddings/LM head of both models (V·H once when
@@ -55,6 +60,7 @@ are reclaimable page cache and left out.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -85,6 +91,7 @@ KD_LOGIT_COPIES = 8               # float32 [tokens, vocab] blocks through the K
 FAKE_QUANT_COPIES = {"static": 2, "dynamic": 1}  # the CPU emulation's float32 temporaries (CUDA: 1)
 MSE_COPIES = 6
 MSE_SWEEP_COPIES = 22             # fitted (whole weights): nvfp4_mse on the 100M Llama peaked at 2,957 MiB
+GPTQ_UPDATE_COPIES = 4            # per weight: its float32 copy, the quantized one, the errors, the update
 LOGIT_CHUNK_TOKENS = 2048         # = qad_pipeline.scoring.reference.LOGIT_CHUNK_TOKENS (that module imports torch)
 # CUDA, not measured: a process's context and workspaces per GPU, the host side of the CUDA
 # runtime, and transformers' default checkpoint shard (each is copied to the host while saving).
@@ -111,6 +118,12 @@ class ModelShape:
     active_matrix_params: int = 0  # the matrix weights one token goes through (MoE: its experts only)
     widest_row: int = 0  # the longest row (last dimension) of a matrix: what one row of a weight holds
     tied_embeddings: bool = False  # the LM head is the input embedding (one [vocab, hidden] matrix, not two)
+    # GPTQ's input Hessians (in x in float32 per weight) of the 2-D weights the recipes may quantize
+    # (every role but attention and routers): all of them, and the largest decoder layer's (layerwise)
+    hessian_elems: int = 0
+    layer_hessian_elems: int = 0
+    quantized_inputs: int = 0  # the summed input widths of those weights (local_hessian keeps 16 x 16 per block)
+    gptq_update_flops: int = 0  # GPTQ's weight update over those weights: Σ 2·out·in² + in³/3 (Cholesky)
 
 
 # -- the model, from its config -------------------------------------------------------------------
@@ -143,6 +156,7 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
                   if isinstance(getattr(text, k, None), int)), 0)
     per_token = getattr(text, "num_experts_per_tok", None) or total
     idle = routed - routed * per_token // total if routed and total else 0
+    hessians, per_layer, inputs, update = _hessians(model, embeddings)
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()), matrix_params=sum(matrices),
         largest_matrix=max(matrices), layers=text.num_hidden_layers, hidden=text.hidden_size, ffn=ffn,
@@ -150,7 +164,34 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
         mamba_scan=max((m.chunk_size * m.num_heads for m in mamba), default=0),
         active_matrix_params=sum(matrices) - idle, widest_row=widest,
         tied_embeddings=head is not None and head.weight is embeddings,
+        hessian_elems=hessians, layer_hessian_elems=per_layer, quantized_inputs=inputs, gptq_update_flops=update,
     )
+
+
+def _hessians(model, embeddings) -> tuple[int, int, int, int]:
+    """(the sum of in_features² over the 2-D weights the recipes may quantize, the largest decoder
+    layer's sum, the summed in_features of all of them, GPTQ's update FLOPs). Model Optimizer's GPTQ
+    rounds linear layers' 2-D weights only: fused 3-D experts keep their max scales and hold no
+    Hessian (its local-Hessian search does cover them: their inputs count)."""
+    from qad_pipeline.nvfp4.roles import module_roles
+
+    total, inputs, update, layers = 0, 0, 0, {}
+    for name, role in module_roles(model).items():
+        if role in ("attention", "router"):
+            continue
+        module = model.get_submodule(name)
+        for w in module.parameters(recurse=False):
+            if w.ndim < 2 or w is embeddings:
+                continue
+            width = w.shape[-1]
+            inputs += width * (w.shape[0] if w.ndim == 3 else 1)  # fused experts: [experts, out, in]
+            if w.ndim != 2:
+                continue
+            total, update = total + width**2, update + 2 * w.shape[0] * width**2 + width**3 // 3
+            layer = re.search(r"\.(\d+)\.", f".{name}.")
+            key = layer.group(1) if layer else name
+            layers[key] = layers.get(key, 0) + width**2
+    return total, max(layers.values(), default=0), inputs, update
 
 
 def model_shape(base: BaseModelParams) -> ModelShape:
@@ -173,21 +214,39 @@ class Phase:
     host: dict[str, int] = field(default_factory=dict)
 
 
+def recipe_algorithm(recipe_path: Path) -> dict:
+    """The recipe's calibration algorithm as a dict (`max` -> {"method": "max"}), read from its file."""
+    algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
+    return dict(algorithm) if isinstance(algorithm, dict) else {"method": algorithm or "max"}
+
+
+def weight_scale_algorithm(recipe_path: Path) -> dict:
+    """The algorithm that sets the weight scales: activation headroom delegates them to its
+    `weight_scale_algorithm` (max unless given); GPTQ sets them by max, then rounds against them."""
+    algorithm = recipe_algorithm(recipe_path)
+    if algorithm["method"] == "nvfp4_act_headroom":
+        return dict(algorithm.get("weight_scale_algorithm") or {"method": "max"})
+    return algorithm
+
+
 def static_block_scales(recipe_path: Path) -> bool:
-    """The recipe calibrates NVFP4 block scales statically (MSE, four-over-six), not by max (an
-    AutoQuantize recipe: one of its candidate formats does)."""
+    """The recipe calibrates NVFP4 block scales statically (MSE, four-over-six, local Hessian,
+    GPTQ), not by max (an AutoQuantize recipe: one of its candidate formats does)."""
     from qad_pipeline.nvfp4 import autoquant
 
     if autoquant.is_auto_quantize(recipe_path):
         return any(autoquant.format_algorithm(f) != "max" for f in autoquant.load_recipe(recipe_path).formats)
-    algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
-    return (algorithm.get("method") if isinstance(algorithm, dict) else algorithm) not in (None, "max")
+    return weight_scale_algorithm(recipe_path)["method"] != "max"
+
+
+def scale_search(recipe_path: Path) -> bool:
+    """The recipe searches each block's scale (MSE, local Hessian), not GPTQ's max then rounding."""
+    return weight_scale_algorithm(recipe_path)["method"] in ("mse", "local_hessian")
 
 
 def scale_sweep(recipe_path: Path) -> bool:
-    """The recipe's MSE search also sweeps the FP8 per-block scale (`fp8_scale_sweep: true`)."""
-    algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
-    return isinstance(algorithm, dict) and bool(algorithm.get("fp8_scale_sweep"))
+    """The recipe's scale search also sweeps the FP8 per-block scale (`fp8_scale_sweep: true`)."""
+    return bool(weight_scale_algorithm(recipe_path).get("fp8_scale_sweep"))
 
 
 def _any_static(params: Params) -> bool:
@@ -265,13 +324,26 @@ def teacher_cache_phases(params: Params, shape: ModelShape, device: str, item: s
 
 def _mse_search(params: Params, shape: ModelShape, recipe: str) -> dict[str, int]:
     """The scale search over one chunk of `ptq.mse_chunk_rows` rows (or the largest weight whole)."""
-    copies = MSE_SWEEP_COPIES if scale_sweep(params.recipe_path(recipe)) else MSE_COPIES
-    rows = params.ptq.mse_chunk_rows
+    path = params.recipe_path(recipe)
+    copies = MSE_SWEEP_COPIES if scale_sweep(path) else MSE_COPIES
+    # the local-Hessian metric is searched whole (qad_pipeline/nvfp4/mse_chunks.py chunks plain MSE only)
+    rows = None if weight_scale_algorithm(path)["method"] == "local_hessian" else params.ptq.mse_chunk_rows
     searched = shape.largest_matrix if rows is None else min(shape.largest_matrix, rows * shape.widest_row)
     out = {"mse_search": searched * 4 * copies}
     if searched < shape.largest_matrix:
         out["mse_block_amax"] = shape.largest_matrix // 16 * 4 * 3
     return out
+
+
+def _gptq(params: Params, shape: ModelShape) -> dict[str, int]:
+    """GPTQ (Model Optimizer's `gptq`): an in x in float32 Hessian per quantized weight, filled by a
+    calibration forward, all at once (one decoder layer's with ptq.layerwise true); then per weight
+    the Hessian's inverse and the weight's float32 working copies."""
+    held = shape.layer_hessian_elems if params.ptq.layerwise is True else shape.hessian_elems
+    d, tokens = DTYPE_BYTES[params.base_model.dtype], params.ptq.calib_batch_size * params.calibration.seq_len
+    return {"gptq_hessians": held * 4, "gptq_inverse": shape.widest_row ** 2 * 4 * 2,
+            "gptq_update": shape.largest_matrix * 4 * GPTQ_UPDATE_COPIES,
+            "calib_logits": tokens * shape.vocab * d, **_forward(tokens, shape, d)}
 
 
 def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> list[Phase]:
@@ -280,8 +352,15 @@ def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> l
     tokens = params.ptq.calib_batch_size * params.calibration.seq_len
     phases = [Phase("calibrate", "ptq.calib_batch_size", resident, {
         "calib_logits": tokens * shape.vocab * d, **_forward(tokens, shape, d), **_fake_quant(shape, device, static)})]
-    if static:
-        phases.append(Phase("mse_search", "ptq.mse_chunk_rows", resident, _mse_search(params, shape, recipe)))
+    path = params.recipe_path(recipe)
+    if scale_search(path):
+        search = _mse_search(params, shape, recipe)
+        if weight_scale_algorithm(path)["method"] == "local_hessian":  # a 16 x 16 Hessian per block, float32
+            search["local_hessians"] = shape.quantized_inputs * 16 * 4
+        chunked = weight_scale_algorithm(path)["method"] != "local_hessian"
+        phases.append(Phase("mse_search", "ptq.mse_chunk_rows" if chunked else None, resident, search))
+    if recipe_algorithm(path)["method"] == "gptq":
+        phases.append(Phase("gptq", "ptq.layerwise", resident, _gptq(params, shape)))
     return [*phases, *eval_phases(params, shape, device, resident, static),
             Phase("save", None, resident, host=_save_copy(params, shape, device))]
 
