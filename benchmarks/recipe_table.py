@@ -16,6 +16,7 @@ check's verdict and the served views' KL. Stages already done under the out-root
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -29,16 +30,19 @@ from qad_pipeline.core.layout import Layout
 from qad_pipeline.plan import memory
 
 
-def stage(root: Path, overrides: list[str], *args: str) -> float:
+def stage(root: Path, overrides: list[str], *args: str, check: bool = True) -> tuple[float, str | None]:
+    """Run `qad-pipeline stage ARGS`: (seconds, None), or (seconds, its error line) when it failed
+    and `check` is off (a failed check of an export is a row of the table)."""
     command = [sys.executable, "-m", "qad_pipeline", "stage", *args, "--params", str(PROJECT_PARAMS),
                "--out-root", str(root)]
     for item in overrides:
         command += ["--set", item]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
+    if done.returncode != 0 and check:
         raise SystemExit(f"stage {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return time.perf_counter() - started
+    error = next((line for line in reversed(done.stderr.splitlines()) if line.startswith("error:")), "failed")
+    return time.perf_counter() - started, (error if done.returncode != 0 else None)
 
 
 def main() -> None:
@@ -63,9 +67,10 @@ def main() -> None:
         done = (layout.ptq(item[0]) / "scores.json") if item else None
         if done is not None and done.is_file():
             continue
-        if not item and name == "baseline" and layout.baseline_metrics.is_file():
+        if not item and (name == "baseline" and layout.baseline_metrics.is_file()
+                         or name == "calibration" and (layout.data / "manifest.json").is_file()):
             continue
-        walls[(name, *item)] = stage(root, overrides, name, *item)
+        walls[(name, *item)], _ = stage(root, overrides, name, *item)
         print(f"{name} {' '.join(item)}: {walls[(name, *item)]:.0f} s", flush=True)
     stage(root, overrides, "selection")
     selection = read_json(root / "metrics" / "selection.json")
@@ -86,7 +91,11 @@ def main() -> None:
               f"{timing.get('total', 0):8.0f} {scores['peak_rss_mb']:8.0f} {plan_mb:8.0f} {scores['peak_rss_mb'] / plan_mb:9.2f}")
     print(f"selected: {selection['selected']}; {selection['reason']}")
     for recipe in args.export:
-        seconds = stage(root, [*overrides, f"export.source=ptq/{recipe}"], "export")
+        shutil.rmtree(layout.export, ignore_errors=True)  # the previous recipe's export: one at a time here
+        seconds, error = stage(root, [*overrides, f"export.source=ptq/{recipe}"], "export", check=False)
+        if error:  # verification failed: nothing was put in place, the reason is the error line
+            print(f"export ptq/{recipe}: FAILED in {seconds:.0f} s: {error}", flush=True)
+            continue
         export = read_json(root / "metrics" / "export.json")
         (root / "metrics" / f"export-{recipe}.json").write_text((root / "metrics" / "export.json").read_text())
         serving = export.get("serving_check") or {}

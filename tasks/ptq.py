@@ -118,10 +118,32 @@ def quantized_weights(model):
             yield (f"{name}[{index}]" if len(pairs) > 1 else name), weight, quantizer
 
 
-def weight_errors(model, worst: int = 5) -> dict:
-    """Each quantized weight's relative reconstruction error ||Q(W) - W|| / ||W|| (Frobenius)
-    under its own calibrated quantizer (`quantized_weights`). Returns the median and mean over
-    layers, every layer's error and the `worst` layers.
+def mutates_weights(recipe_path: Path) -> bool:
+    """The recipe's algorithm changes the weights themselves (GPTQ's error compensation), as Model
+    Optimizer's own config class declares (`_mutates_weights`); an AutoQuantize recipe does not."""
+    from modelopt.torch.quantization.mode import CalibrateModeRegistry, get_modelike_from_algo_cfg
+
+    from qad_pipeline.nvfp4 import autoquant
+
+    if autoquant.is_auto_quantize(recipe_path):
+        return False
+    [(mode, _)] = get_modelike_from_algo_cfg(layerwise.plain_algorithm(load_quantize_config(recipe_path).model_dump()))
+    return bool(CalibrateModeRegistry[mode].config_class._mutates_weights)
+
+
+def original_weights(model) -> dict[str, torch.Tensor]:
+    """{linear layer: a host copy of its weight} before a weight-changing algorithm runs, so that
+    `weight_errors` measures the quantized weight against the base model's, not against the weight
+    the algorithm rewrote (GPTQ writes its rounded weights back: ~0 error against themselves)."""
+    return {name: m.weight.detach().to("cpu", copy=True) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.ndim == 2}
+
+
+def weight_errors(model, worst: int = 5, originals: dict[str, torch.Tensor] | None = None) -> dict:
+    """Each quantized weight's relative reconstruction error ||Q(W) - W0|| / ||W0|| (Frobenius)
+    under its own calibrated quantizer (`quantized_weights`), W0 the weight before quantization
+    (`originals`, where the algorithm changed it; else the weight itself). Returns the median and
+    mean over layers, every layer's error and the `worst` layers.
     """
     import statistics
 
@@ -129,7 +151,8 @@ def weight_errors(model, worst: int = 5) -> dict:
     with torch.no_grad():
         for name, weight, quantizer in quantized_weights(model):
             w = weight.float().contiguous()
-            error = torch.linalg.vector_norm(quantizer(w) - w) / torch.linalg.vector_norm(w).clamp_min(1e-30)
+            w0 = originals[name].to(w.device).float() if originals and name in originals else w
+            error = torch.linalg.vector_norm(quantizer(w) - w0) / torch.linalg.vector_norm(w0).clamp_min(1e-30)
             layers[name] = float(error)
     if not layers:
         return {"median": None, "mean": None, "layers": {}, "worst": []}
@@ -244,6 +267,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
         if by_layer.resumed_from_layer:
             print(f"ptq {name}: resuming layerwise calibration at layer {by_layer.resumed_from_layer} "
                   f"of {by_layer.layers} from {folder}", flush=True)
+    originals = original_weights(model) if mutates_weights(recipe_path) else None
     with chunked_mse(params.ptq.mse_chunk_rows):  # the MSE scale search a chunk of rows at a time, same result
         if is_auto_quantize:
             searched = auto_quantize_model(model, recipe_path, samples, params.ptq.calib_batch_size, params.base_model,
@@ -253,7 +277,8 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     share_fused_scales(model)
     quantize_s = time.time() - t0
     sizes = size_report(model)
-    weight_error = weight_errors(model)
+    weight_error = weight_errors(model, originals=originals)
+    del originals
 
     t0 = time.time()
     scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir, items=eval_items)

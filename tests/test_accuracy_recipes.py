@@ -51,6 +51,7 @@ def test_gptq_holds_one_hessian_per_quantized_weight_and_layerwise_one_layers():
     gptq = next(p for p in stage_phases(f"ptq/{GPTQ}", params, shape, "cuda") if p.name == "gptq")
     assert gptq.knob == "ptq.layerwise" and gptq.transient["gptq_hessians"] == shape.hessian_elems * 4
     assert gptq.transient["gptq_update"] == shape.largest_matrix * 4 * GPTQ_UPDATE_COPIES
+    assert gptq.host["original_weights"] == shape.matrix_params * 2  # BF16, for the weight error
     layerwise = load_params(PROFILE_8B, [f"ptq.recipes=[{GPTQ}]", "ptq.layerwise=true"])
     one = next(p for p in stage_phases(f"ptq/{GPTQ}", layerwise, shape, "cuda") if p.name == "gptq")
     assert one.transient["gptq_hessians"] == shape.layer_hessian_elems * 4
@@ -114,3 +115,10 @@ def test_outside_the_decoder_layers_layerwise_calibration_uses_what_runs_on_weig
         "method": "mse", "fp8_scale_sweep": True}
     headroom = {"method": "nvfp4_act_headroom", "weight_scale_algorithm": {"method": "mse"}}
     assert weight_only(headroom) == headroom and weight_only({"method": "max"}) == {"method": "max"}
+
+
+def test_only_gptq_rewrites_the_weights_so_only_it_keeps_the_originals_for_the_weight_error():
+    from tasks.ptq import mutates_weights
+
+    found = {p.stem for p in (PROJECT_ROOT / "recipes").glob("*.yaml") if mutates_weights(p)}
+    assert found == {GPTQ}

@@ -236,7 +236,8 @@ def calibrating(work: Work) -> float:
 
 def quantizing(work: Work) -> float:
     """A PTQ recipe: `calibrating`, and a GPTQ recipe's Hessian pass and weight update."""
-    if recipe_algorithm(work.params.recipe_path(work.item))["method"] != "gptq":
+    path = work.params.recipe_path(work.item)
+    if not path.is_file() or recipe_algorithm(path)["method"] != "gptq":  # (the preflight refuses a missing one)
         return calibrating(work)
     shape, calib = work.shape, work.params.calibration.num_samples * work.params.calibration.seq_len
     hessian_pass = (work.forward + 2 * shape.hessian_elems) * calib / (work.bf16_flops * EVAL_MFU)

@@ -33,7 +33,8 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       Σin·16·4 (a 16 x 16 Hessian per block)
     gptq              GPTQ's Hessians: Σin² · 4 over the weights the recipes quantize, all at once
                       (the largest decoder layer's with ptq.layerwise true), + the calibration
-                      forward + per weight its inverse (in² · 4 · 2) and GPTQ_UPDATE_COPIES of it
+                      forward + per weight its inverse (in² · 4 · 2) and GPTQ_UPDATE_COPIES of it;
+                      on the host original_weights Nw·d (the weight error is measured against them)
     qad (per process) teacher N·d + student_fp32 N·4 + grads N·4 + adamw 2·N·4 (all four divided by
                       the W = qad.num_gpus x qad.num_nodes processes with fsdp, plus two gathered
                       blocks and the gathered embeddings/LM head of both models (V·H once when
@@ -360,7 +361,8 @@ def ptq_phases(params: Params, shape: ModelShape, device: str, recipe: str) -> l
         chunked = weight_scale_algorithm(path)["method"] != "local_hessian"
         phases.append(Phase("mse_search", "ptq.mse_chunk_rows" if chunked else None, resident, search))
     if recipe_algorithm(path)["method"] == "gptq":
-        phases.append(Phase("gptq", "ptq.layerwise", resident, _gptq(params, shape)))
+        originals = {"original_weights": shape.matrix_params * d}  # the weights before GPTQ rewrites them, on the host
+        phases.append(Phase("gptq", "ptq.layerwise", resident, _gptq(params, shape), host=originals))
     return [*phases, *eval_phases(params, shape, device, resident, static),
             Phase("save", None, resident, host=_save_copy(params, shape, device))]
 
