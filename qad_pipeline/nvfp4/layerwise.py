@@ -22,8 +22,9 @@ What this module adds to Model Optimizer's:
   with the static NVFP4 weights of `mse`/four-over-six). `calibrate_outside_layers` runs the
   recipe's own algorithm, through Model Optimizer's calibration-mode entry point, on those
   modules' weights (GPTQ as its first step, max scales, and the local-Hessian search as plain MSE:
-  both need the layer's inputs, `weight_only`). An input quantizer there would need activations no layer-by-layer pass
-  produces: such a recipe is refused before any layer is calibrated (`check_outside_layers`).
+  both need the layer's inputs, `weight_only`). An input quantizer there would need activations no
+  layer-by-layer pass produces: such a recipe is refused before any layer is calibrated
+  (`check_outside_layers`).
   (Fixed upstream in NVIDIA/Model-Optimizer#2339, after 0.47.)
 """
 
