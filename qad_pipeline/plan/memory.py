@@ -23,8 +23,8 @@ from qad_pipeline.plan import costs, eval_costs, gpus
 from qad_pipeline.plan.capacity import Capacity, capacity
 from qad_pipeline.core.config import ConfigError, Params
 from qad_pipeline.plan.memory_model import (CUDA_CONTEXT, CUDA_HOST_EXTRA, DTYPE_BYTES, PROCESS_BASE, GiB, MiB, ModelShape,
-                                       Phase, model_shape, stage_memory, stage_phases)
-from qad_pipeline.core.stages import QAD, RECIPES, STAGES, SWEEP_POINTS, planned, with_sweep
+                                       Phase, model_shape, recipe_algorithm, stage_memory, stage_phases)
+from qad_pipeline.core.stages import QAD, RECIPES, STAGES, SWEEP_POINTS, planned, stage_of, with_sweep
 
 @dataclass
 class StageEstimate:
@@ -203,14 +203,10 @@ def _qad_switches(params: Params) -> list[tuple[str, object]]:
 
 
 def _ptq_switches(stage: str, params: Params) -> list[tuple[str, object]]:
-    """A GPTQ recipe holds every weight's Hessian at once unless ptq.layerwise is true (one decoder
-    layer's at a time)."""
-    from qad_pipeline.plan.memory_model import recipe_algorithm
-
-    name, _, recipe = stage.partition("/")
-    if name != "ptq" or params.ptq.layerwise is True or recipe_algorithm(params.recipe_path(recipe))["method"] != "gptq":
-        return []
-    return [("ptq.layerwise", True)]
+    """A GPTQ recipe holds every weight's Hessian at once unless ptq.layerwise is true (one layer's)."""
+    declared, recipe = stage_of(stage)
+    gptq = declared is RECIPES and recipe_algorithm(params.recipe_path(recipe))["method"] == "gptq"
+    return [("ptq.layerwise", True)] if gptq and params.ptq.layerwise is not True else []
 
 
 def advice(est: StageEstimate, params: Params, cap: Capacity, why: str) -> str:
