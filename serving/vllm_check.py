@@ -161,7 +161,8 @@ def full_check(folder: Path, prompts: list[list[int]], k: int, max_model_len: in
         kv_fallback = str(err)
         llm = LLM(**{**settings, "kv_cache_dtype": "bfloat16"})
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k), use_tqdm=False)
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k, detokenize=False),
+                        use_tqdm=False)
     positions = []
     for out in outs:
         # entry t is the distribution of token t given tokens < t; the first one is None
