@@ -42,7 +42,8 @@ def window_nll(llm, windows: list[list[int]]) -> list[float]:
     from vllm.inputs import TokensPrompt
 
     outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
-                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0), use_tqdm=False)
+                        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False),
+                        use_tqdm=False)
     return [-sum(entry[token].logprob for token, entry in zip(w[1:], out.prompt_logprobs[1:]))
             for w, out in zip(windows, outs)]
 
