@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RECIPES = ["nvfp4_max-mamba_fp8-kv_fp8", "nvfp4_4o6-mamba_w4a16-kv_nvfp4"]
-COMMON = [f"ptq.recipes=[{', '.join(RECIPES)}]", "hardware.device=cpu", "selection.band=[0.01, 100]",
+COMMON = [f"ptq.recipes=[{', '.join(RECIPES)}]", "hardware.device=cpu", "selection.band=[0.01, 1.0]",
           "eval.num_cloze=48", "eval.num_continuation=24", "eval.limit=16", "qad.steps=2", "qad.warmup_steps=1",
           "qad.checkpoint_every=100"]
 MODELS = {

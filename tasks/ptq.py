@@ -52,6 +52,7 @@ from qad_pipeline.nvfp4.recipes import load_quantize_config, quantize_config, re
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.scores import AutoQuantizeResult, LayerwiseCalibration, PTQAlias, PTQScores
 from qad_pipeline.nvfp4.sizes import kv_cache_format, quantizer_format, size_report
+from qad_pipeline.plan.memory_model import recipe_algorithm, weight_scale_algorithm
 
 
 def calibration_loop(samples: torch.Tensor, batch_size: int):
@@ -170,14 +171,11 @@ def recipe_settings(model, recipe_path: Path) -> dict:
     if autoquant.is_auto_quantize(recipe_path):
         chosen = autoquant.settings(autoquant.load_recipe(recipe_path))
     else:
-        algorithm = load_quantize_config(recipe_path).model_dump().get("algorithm")
-        method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
         four_over_six = any(isinstance(q.block_sizes, dict) and q.block_sizes.get("four_over_six")
                             for _, _, q in quantized_weights(model))
-        weight_scale = method  # activation headroom leaves the weights to its own weight-scale algorithm
-        if method == "nvfp4_act_headroom":
-            weight_scale = (algorithm.get("weight_scale_algorithm") or {}).get("method", "max")
-        chosen = {"algorithm": str(method), "weight_scale": "four_over_six" if four_over_six else str(weight_scale)}
+        weight_scale = weight_scale_algorithm(recipe_path)["method"]  # activation headroom: its weights' own
+        chosen = {"algorithm": str(recipe_algorithm(recipe_path)["method"]),
+                  "weight_scale": "four_over_six" if four_over_six else str(weight_scale)}
     mamba_formats = set()
     for m in model.modules():
         if "Mamba" not in type(m).__name__:

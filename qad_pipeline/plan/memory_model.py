@@ -60,6 +60,7 @@ are reclaimable page cache and left out.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,8 +118,14 @@ class Phase:
 
 
 def recipe_algorithm(recipe_path: Path) -> dict:
-    """The recipe's calibration algorithm as a dict (`max` -> {"method": "max"}), read from its file."""
-    algorithm = (yaml.safe_load(recipe_path.read_text()).get("quantize") or {}).get("algorithm")
+    """The recipe's calibration algorithm as a dict (`max` -> {"method": "max"}), read from its file
+    (once per version of the file: the plan asks for it several times per recipe)."""
+    return dict(_algorithm(str(recipe_path), recipe_path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=64)
+def _algorithm(path: str, _version: int) -> dict:
+    algorithm = (yaml.safe_load(Path(path).read_text()).get("quantize") or {}).get("algorithm")
     return dict(algorithm) if isinstance(algorithm, dict) else {"method": algorithm or "max"}
 
 
