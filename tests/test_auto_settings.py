@@ -58,7 +58,7 @@ def test_an_explicit_batch_is_kept_and_refused_when_it_does_not_fit(gemma_270m):
 
 def test_eval_auto_is_the_largest_batch_every_evaluating_stage_fits(gemma_270m):
     params = load_params(overrides=[f"base_model.path={gemma_270m}"])
-    tight = capacity.Capacity("cpu", 4 * memory.GiB)
+    tight = capacity.Capacity("cpu", 5 * memory.GiB)  # 4 GiB no longer holds the export with vLLM's check beside it
     rows = memory.settled(params, tight).eval.batch_size
     assert 1 <= rows < memory.AUTO_EVAL_BATCH
     at = lambda n: load_params(overrides=[f"base_model.path={gemma_270m}", f"eval.batch_size={n}"])  # noqa: E731

@@ -252,7 +252,7 @@ def test_a_stage_added_to_the_registry_reaches_dvc_the_flows_the_plan_the_report
     assert submitted[-1] == ("model_card", None, [futures["export"][None]])
 
     plan = memory.plan(params)  # its memory model: the export's phases; its disk and evaluation: its own
-    assert plan[-1].stage == "model_card" and plan[-1].phase in {"export", "reload_check"}
+    assert plan[-1].stage == "model_card" and plan[-1].phase in {"export", "reload_check", "serving_check"}
     assert plan[-1].disk_bytes == 4096 and plan[-1].evaluation["tokens"] == 1000
     [est] = [e for e in memory.plan(params, capacity.target_capacity("8xH100-80GB")) if e.stage == "model_card"]
     assert est.gpus == ("0",) and est.seconds > 1.0  # its GPU claim, and its time with its evaluation's

@@ -140,12 +140,18 @@ def installed_vllm(python: Path) -> str | None:
     return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
 
 
+def cpu_kv_cache_gib() -> int:
+    """The KV-cache space, in GiB, of a vLLM process of the checks on the CPU (VLLM_CPU_KVCACHE_SPACE;
+    1 unless the environment sets it): vLLM allocates all of it when its engine starts."""
+    return int(os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+
+
 def vllm_process_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.update({
         "VLLM_PLUGINS": "qad_cpu_nvfp4",  # the only plugin loaded, and only where installed
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine in this process: its errors reach the check
-        "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        "VLLM_CPU_KVCACHE_SPACE": str(cpu_kv_cache_gib()),  # GiB
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
     })
     return env

@@ -46,7 +46,12 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       process, qad.batch_size / W
     export            the student + the exported tensors read back (at most N·d) + the weights
                       check's BF16 copy of the student's NVFP4 weights (at most Nw·2) + the
-                      dequantized BF16 reload N·2 of the check (on the host whatever the device)
+                      dequantized BF16 reload N·2 of the check (on the host whatever the device);
+                      on the CPU, the serving check's vLLM process beside it (unless
+                      export.serving_check is skip): VLLM_CPU_PROCESS + its KV-cache space
+                      (VLLM_CPU_KVCACHE_SPACE) + the checkpoint's weights (at most N·d) + its
+                      prompt logits and their log-softmax (prompts·positions·V·4·2). On CUDA
+                      vLLM's engine takes its share of the GPU (gpu_memory_utilization): not planned
 
 On CUDA the model's terms go to `device_bytes` (per GPU, + CUDA_CONTEXT) and the host keeps the
 process (+ CUDA_HOST_EXTRA) and what is copied to it (a checkpoint shard while saving, the
@@ -98,6 +103,9 @@ LOGIT_CHUNK_TOKENS = 2048         # = qad_pipeline.scoring.reference.LOGIT_CHUNK
 # runtime, and transformers' default checkpoint shard (each is copied to the host while saving).
 CUDA_CONTEXT = 1 * GiB
 CUDA_HOST_EXTRA = 1 * GiB
+# the serving check's vLLM 0.32 process on the CPU without its KV cache: its two-layer models (the
+# architecture matrix's families, benchmarks/memory_bench.py) peaked at 2,174-2,176 MiB with 1 GiB of KV cache
+VLLM_CPU_PROCESS = 1150 * MiB
 SAVE_SHARD = 50 * 10**9
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -350,7 +358,23 @@ def export_phases(params: Params, shape: ModelShape, device: str, item: str | No
                                                   **_save_copy(params, shape, device)}),
             Phase("reload_check", None, resident, host={"exported_read_back": exported,
                                                         "dequantized_reload": shape.params * 2,
-                                                        "check_logits": check_logits})]
+                                                        "check_logits": check_logits}),
+            *_serving_check(params, shape, device, resident, exported)]
+
+
+def _serving_check(params: Params, shape: ModelShape, device: str, resident: dict, exported: int) -> list[Phase]:
+    """The export process holding the student and the exported tensors while the serving check's
+    vLLM process serves the checkpoint beside it, on the CPU (on CUDA vLLM's memory is the GPU's)."""
+    from qad_pipeline.checks.serving_reference import PROMPT_LEN, PROMPTS
+    from qad_pipeline.checks.vllm_setup import cpu_kv_cache_gib
+
+    if device != "cpu" or params.export.serving_check == "skip":
+        return []
+    return [Phase("serving_check", None, resident, host={
+        "exported_read_back": exported, "vllm_process": VLLM_CPU_PROCESS, "vllm_kv_cache": cpu_kv_cache_gib() * GiB,
+        "vllm_weights": exported,
+        # the prompt log-probs: float32 logits over the vocabulary at every prompt position, and their log-softmax
+        "vllm_prompt_logits": PROMPTS * PROMPT_LEN * shape.vocab * 4 * 2})]
 
 
 def sweep_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
