@@ -52,7 +52,7 @@ from qad_pipeline.nvfp4.recipes import load_quantize_config, quantize_config, re
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.scores import AutoQuantizeResult, LayerwiseCalibration, PTQAlias, PTQScores
 from qad_pipeline.nvfp4.sizes import kv_cache_format, quantizer_format, size_report
-from qad_pipeline.plan.memory_model import recipe_algorithm, weight_scale_algorithm
+from qad_pipeline.nvfp4.recipe_algorithms import recipe_algorithm, weight_scale_algorithm
 
 
 def calibration_loop(samples: torch.Tensor, batch_size: int):

@@ -65,18 +65,16 @@ are reclaimable page cache and left out.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from qad_pipeline.core.config import Params, resolve
 from qad_pipeline.core.stage_types import load_reference
 from qad_pipeline.core.stages import STAGES
 from qad_pipeline.plan.model_shape import ModelShape, model_shape  # noqa: F401  (re-exported: the plan's callers)
+from qad_pipeline.nvfp4.recipe_algorithms import recipe_algorithm, weight_scale_algorithm  # also the plan's callers'
 
 GiB, MiB = 2**30, 2**20
 # Fitted on the CPU (torch 2.13, benchmarks/memory_bench.py); the module docstring names each term.
@@ -123,27 +121,6 @@ class Phase:
     resident: dict[str, int]
     transient: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
-
-
-def recipe_algorithm(recipe_path: Path) -> dict:
-    """The recipe's calibration algorithm as a dict (`max` -> {"method": "max"}), read from its file
-    (once per version of the file: the plan asks for it several times per recipe)."""
-    return dict(_algorithm(str(recipe_path), recipe_path.stat().st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=64)
-def _algorithm(path: str, _version: int) -> dict:
-    algorithm = (yaml.safe_load(Path(path).read_text()).get("quantize") or {}).get("algorithm")
-    return dict(algorithm) if isinstance(algorithm, dict) else {"method": algorithm or "max"}
-
-
-def weight_scale_algorithm(recipe_path: Path) -> dict:
-    """The algorithm that sets the weight scales: activation headroom delegates them to its
-    `weight_scale_algorithm` (max unless given); GPTQ sets them by max, then rounds against them."""
-    algorithm = recipe_algorithm(recipe_path)
-    if algorithm["method"] == "nvfp4_act_headroom":
-        return dict(algorithm.get("weight_scale_algorithm") or {"method": "max"})
-    return algorithm
 
 
 def static_block_scales(recipe_path: Path) -> bool:
