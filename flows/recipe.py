@@ -42,7 +42,8 @@ def _run_here(stage: list[str], params_file: str, overrides: list[str] | None, o
     params = settled_here(params) if seen else params  # the GPUs a recipe's model spreads over, for this worker
     with gpus.claim(gpus.needed(stage[0], params, len(seen)), seen, "-".join(stage), print) as claimed:
         env = {**({TOKEN_ENV: lock_token} if lock_token else {}), **gpus.env_for(claimed)}
-        seconds = run_stage_process(stage, params_file, list(overrides or []), layout, env=env)
+        # a flow run of one stage: a fresh process (a fork server's imports would only add to it)
+        seconds = run_stage_process(stage, params_file, list(overrides or []), layout, env=env, fork=False)
     return {"seconds": seconds, "host": socket.gethostname(), "pid": os.getpid(),
             "devices": ",".join(claimed) if claimed else os.environ.get("CUDA_VISIBLE_DEVICES")}
 

@@ -26,7 +26,7 @@ from prefect import allow_failure, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
-from flows.stage_process import StageFailed, run_stage_process
+from flows.stage_process import StageFailed, run_stage_process, warm_fork_server
 from qad_pipeline.plan import gpus, pools
 from qad_pipeline.platform import processes
 from qad_pipeline.core.artifacts import list_files
@@ -302,6 +302,7 @@ def holding_outputs(params, layout: Layout):
     logger = get_run_logger()
     with base_model_slot(params), run_lock(layout.root, "run the pipeline", on_stale=logger.warning) as token:
         previous, os.environ[TOKEN_ENV] = os.environ.get(TOKEN_ENV), token
+        warm_fork_server()  # its imports (CPU only) go on while the run starts its tracking
         try:
             with dvc_write_lock(layout.root, f"qad-pipeline run (Prefect flow run {flow_run_name()}) is writing "
                                              "this project's outputs; wait for it to finish or cancel it"):

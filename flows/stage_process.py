@@ -16,7 +16,7 @@ from pathlib import Path
 
 from prefect import get_run_logger
 
-from qad_pipeline.platform import processes
+from qad_pipeline.platform import forkserver, processes
 from qad_pipeline.core.artifacts import write_json
 from qad_pipeline.core.layout import Layout
 from qad_pipeline.platform.processes import exit_reason, oom_kills
@@ -25,6 +25,19 @@ from qad_pipeline.core.stages import STAGES
 
 class StageFailed(RuntimeError):
     pass
+
+
+# What a stage process forked by the fork server runs (CPU only, `forkserver.usable`): the CLI, after
+# the libraries every stage imports and each stage's module are imported once.
+STAGE_ENTRY = forkserver.Entry(
+    function="qad_pipeline.cli:app", prog_name="qad-pipeline", title=(sys.executable, "-m", "qad_pipeline"),
+    preload=("qad_pipeline.cli", "transformers.modeling_utils", "modelopt.torch.quantization", "modelopt.torch.export",
+             "lm_eval.evaluator", *sorted({s.module for s in STAGES.values()})))
+
+
+def warm_fork_server() -> None:
+    """Start the run's fork server now (CPU only), its imports going on while the run sets up."""
+    forkserver.warm(STAGE_ENTRY)
 
 
 def _high_water_kb(pid: int) -> int | None:
@@ -38,26 +51,42 @@ def _high_water_kb(pid: int) -> int | None:
     return None
 
 
-def wait_with_peak(pid: int) -> tuple[int, int]:
-    """Wait for child `pid`; (its wait status, its peak RSS in KiB).
+def wait_with_peak(pid: int, ended=None) -> tuple[int, int]:
+    """Wait for stage process `pid`; (its wait status, its peak RSS in KiB).
 
     The peak is the child's own memory: its VmHWM, read while it runs. `wait4`'s ru_maxrss would
     also count the parent's pages that the child held between fork and exec, so a stage started
     from a 700 MB flow process could never read below 700 MB; it is the fallback without /proc.
+    `ended` (a forked stage's: `forkserver.Server.result`) says how it ended; by default `wait4`.
     """
     peak, delay = 0, 0.05
     while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            return status, peak or usage.ru_maxrss
+        if ended is None:
+            done, status, usage = os.wait4(pid, os.WNOHANG)
+            result = (status, usage.ru_maxrss) if done else None
+        else:
+            result = ended(pid)
+        if result:
+            return result[0], peak or result[1]
         peak = max(peak, _high_water_kb(pid) or 0)
         time.sleep(delay)
         delay = min(0.5, delay * 2)
 
 
+class Forked:
+    """A stage process forked by the fork server, as `processes` keeps it (pid, returncode)."""
+
+    def __init__(self, pid: int, ended):
+        self.pid, self.returncode, self._ended = pid, None, ended
+
+    def wait(self) -> None:
+        while self._ended(self.pid) is None:  # the server reaps it and says so
+            time.sleep(0.05)
+
+
 def run_stage_process(
     stage: list[str], params_file: str, overrides: list[str], layout: Layout, threads: int | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, fork: bool = True,
 ) -> float:
     """Run `qad-pipeline stage ...` in a child process; its output goes to artifacts/logs/.
 
@@ -67,7 +96,9 @@ def run_stage_process(
 
     `threads` caps the child's CPU threads (OMP_NUM_THREADS) when several stages share the
     machine's cores, unless the caller's environment already sets OMP_NUM_THREADS. The child runs
-    in the params file's folder; `env` adds to its environment.
+    in the params file's folder; `env` adds to its environment. Without a GPU it is forked from the
+    run's fork server (`forkserver`: its libraries already imported), unless `fork` is False (a
+    process that runs one stage only: the server would import more than that stage does).
     """
     logger = get_run_logger()
     name = "-".join(stage)
@@ -86,11 +117,16 @@ def run_stage_process(
     oom_before = oom_kills()
     with log_path.open("w") as log:
         # its own process group: a cancelled run stops it and whatever it started (processes.stop_all)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent, env=child_env,
-                                start_new_session=True)
+        if fork and forkserver.usable():  # forked from a process that has imported its libraries (CPU only)
+            server = forkserver.server_for(child_env, STAGE_ENTRY)
+            ended = server.result
+            proc = Forked(server.start(cmd[3:], str(Path(params_file).parent), child_env, str(log_path)), ended)
+        else:
+            proc, ended = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent,
+                                           env=child_env, start_new_session=True), None
         processes.started(proc)
         try:
-            status, peak_kb = wait_with_peak(proc.pid)
+            status, peak_kb = wait_with_peak(proc.pid, ended)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

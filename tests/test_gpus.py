@@ -32,7 +32,7 @@ def node(monkeypatch, tmp_path):
     monkeypatch.setattr(runtime, "get_run_logger", lambda: logging.getLogger("test"))
     runs, lock = [], threading.Lock()
 
-    def stage_process(stage, params_file, overrides, layout, threads=None, env=None):
+    def stage_process(stage, params_file, overrides, layout, threads=None, env=None, fork=True):
         start = time.monotonic()
         time.sleep(0.3)
         with lock:
