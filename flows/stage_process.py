@@ -117,13 +117,17 @@ def run_stage_process(
     oom_before = oom_kills()
     with log_path.open("w") as log:
         # its own process group: a cancelled run stops it and whatever it started (processes.stop_all)
+        proc, ended = None, None
         if fork and forkserver.usable():  # forked from a process that has imported its libraries (CPU only)
             server = forkserver.server_for(child_env, STAGE_ENTRY)
-            ended = server.result
-            proc = Forked(server.start(cmd[3:], str(Path(params_file).parent), child_env, str(log_path)), ended)
-        else:
-            proc, ended = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent,
-                                           env=child_env, start_new_session=True), None
+            try:
+                proc, ended = Forked(server.start(cmd[3:], str(Path(params_file).parent), child_env, str(log_path)),
+                                     server.result), server.result
+            except forkserver.ServerEnded as err:
+                logger.warning("%s: %s; it runs as a fresh process", name, err)
+        if proc is None:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=Path(params_file).parent,
+                                    env=child_env, start_new_session=True)
         processes.started(proc)
         try:
             status, peak_kb = wait_with_peak(proc.pid, ended)

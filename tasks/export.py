@@ -29,7 +29,8 @@ import torch
 
 from qad_pipeline.core.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.core.config import ConfigError, Params, StageError
-from qad_pipeline.checks.export_verify import MANIFEST, check_checkpoint, failed_checks, source_folder, student_side
+from qad_pipeline.checks.export_verify import (MANIFEST, check_checkpoint, failed_checks, rewrites_weights, source_folder,
+                                               student_side, unquantized_logits)
 from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.export_metrics import ExportMetrics, ServingCheck, ServingNotes
@@ -176,8 +177,10 @@ def run_export(params: Params, layout: Layout) -> dict:
     source_key = fingerprint([p.name.encode() + p.read_bytes() for p in sorted(student_dir.glob("*.json"))]
                              + [f"{p.name}:{p.stat().st_size}" for p in sorted(student_dir.glob("*.safetensors"))])
     check_target(layout.export, source_key)
+    # a recipe that rewrote the weights (GPTQ) is compared with the base model, not with itself unquantized
+    unquantized = unquantized_logits(params, layout) if rewrites_weights(params, source) else None
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
-    side = student_side(layout, student, student_dir)
+    side = student_side(layout, student, student_dir, unquantized)
 
     check_free_space(layout, side.expected["size_bytes"] + tokenizer_bytes(params.base_model)
                      + reference_bytes(len(side.prompts), len(side.prompts[0]), side.vocab))

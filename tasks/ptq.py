@@ -48,7 +48,7 @@ from qad_pipeline.core.config import Params
 from qad_pipeline.scoring.evaluation import evaluate_model
 from qad_pipeline.core.layout import Layout
 from qad_pipeline.core.modeling import input_device, load_model, load_tokenizer, save_quantized, tied_embeddings
-from qad_pipeline.nvfp4.recipes import load_quantize_config, quantize_config, recipe_aliases
+from qad_pipeline.nvfp4.recipes import mutates_weights, quantize_config, recipe_aliases
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.scores import AutoQuantizeResult, LayerwiseCalibration, PTQAlias, PTQScores
 from qad_pipeline.nvfp4.sizes import kv_cache_format, quantizer_format, size_report
@@ -117,19 +117,6 @@ def quantized_weights(model):
         pairs = [(w, q) for w, q in module.iter_weights_for_calibration() if q is not None and q.is_enabled]
         for index, (weight, quantizer) in enumerate(pairs):
             yield (f"{name}[{index}]" if len(pairs) > 1 else name), weight, quantizer
-
-
-def mutates_weights(recipe_path: Path) -> bool:
-    """The recipe's algorithm changes the weights themselves (GPTQ's error compensation), as Model
-    Optimizer's own config class declares (`_mutates_weights`); an AutoQuantize recipe does not."""
-    from modelopt.torch.quantization.mode import CalibrateModeRegistry, get_modelike_from_algo_cfg
-
-    from qad_pipeline.nvfp4 import autoquant
-
-    if autoquant.is_auto_quantize(recipe_path):
-        return False
-    [(mode, _)] = get_modelike_from_algo_cfg(layerwise.plain_algorithm(load_quantize_config(recipe_path).model_dump()))
-    return bool(CalibrateModeRegistry[mode].config_class._mutates_weights)
 
 
 def original_weights(model) -> dict[str, torch.Tensor]:

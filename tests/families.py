@@ -30,10 +30,10 @@ AGGRESSIVE = "nvfp4_4o6-mamba_w4a16-kv_nvfp4"
 SEED_RECIPES = load_params().ptq.recipes  # params.yaml's five
 
 
-def beside_the_five(recipe: str, export: bool = True) -> tuple[str, ...]:
-    """Run `recipe` after the seed's five and (`export`) export its checkpoint, not the QAD student's,
-    so that the export checks and vLLM's serving check read what it wrote."""
-    return (f"ptq.recipes=[{', '.join([*SEED_RECIPES, recipe])}]", *([f"export.source=ptq/{recipe}"] if export else []))
+def beside_the_five(recipe: str) -> tuple[str, ...]:
+    """Run `recipe` after the seed's five and export its checkpoint, not the QAD student's, so that the
+    export checks and vLLM's serving check read what it wrote."""
+    return f"ptq.recipes=[{', '.join([*SEED_RECIPES, recipe])}]", f"export.source=ptq/{recipe}"
 
 
 
@@ -52,10 +52,10 @@ class Family:
 
 FAMILIES = {f.name: f for f in [
     # Model Optimizer's layerwise calibration, and GPTQ's sequential mode with it (each layer's Hessian
-    # from the quantized layers before it); not exported: its export's block scales are not yet the
-    # student's (docs/recipes.md)
+    # from the quantized layers before it), exported: its block scales come from the base weights'
+    # amax, not from the weights GPTQ wrote (the weights check's tie test reads the student's amax)
     Family("llama", T.LlamaForCausalLM, T.LlamaConfig, {},
-           ("ptq.layerwise=true", *beside_the_five("nvfp4_gptq-mamba_fp8-kv_fp8", export=False))),
+           ("ptq.layerwise=true", *beside_the_five("nvfp4_gptq-mamba_fp8-kv_fp8"))),
     Family("gemma3", T.Gemma3ForCausalLM, T.Gemma3TextConfig, dict(sliding_window=32)),  # tied, sliding + global
     Family("qwen3", T.Qwen3ForCausalLM, T.Qwen3Config, dict(tie_word_embeddings=True)),  # q/k norms, tied
     Family("qwen3_moe", T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig,

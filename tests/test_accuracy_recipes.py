@@ -118,7 +118,18 @@ def test_outside_the_decoder_layers_layerwise_calibration_uses_what_runs_on_weig
 
 
 def test_only_gptq_rewrites_the_weights_so_only_it_keeps_the_originals_for_the_weight_error():
-    from tasks.ptq import mutates_weights
+    from qad_pipeline.nvfp4.recipes import mutates_weights
 
     found = {p.stem for p in (PROJECT_ROOT / "recipes").glob("*.yaml") if mutates_weights(p)}
     assert found == {GPTQ}
+
+
+def test_the_export_compares_a_gptq_source_with_the_base_model_and_every_other_with_its_student():
+    """Where the recipe rewrote the weights, the student with its quantizers off is the quantized model
+    itself (every gate's cap 0): the export's checks take the base model's logits instead."""
+    from qad_pipeline.checks.export_verify import rewrites_weights
+    from qad_pipeline.core.config import load_params
+
+    params = load_params()
+    assert rewrites_weights(params, f"ptq/{GPTQ}")
+    assert not rewrites_weights(params, "ptq/nvfp4_max-mamba_fp8-kv_fp8") and not rewrites_weights(params, "qad")

@@ -3,7 +3,7 @@ export (SmolLM2-135M; the demo's Nemotron-H for the MoE entries), is refused by 
 catalog names, with its one-line problem; the same checks pass the export as it was written."""
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -11,7 +11,8 @@ import torch
 from qad_pipeline.checks import failure_catalog
 from qad_pipeline.core.artifacts import read_json
 from qad_pipeline.core.config import load_params
-from qad_pipeline.checks.export_checks import check_formats, check_weights, checkpoint_weights, read_tensors, student_weights
+from qad_pipeline.checks.export_checks import (block_amax, check_formats, check_weights, fp8_roundings, read_tensors,
+                                               student_block_amax, student_weights)
 from qad_pipeline.checks.export_lint import lint, lint_folder, student_input_scales, student_weight_scales
 from qad_pipeline.core.modeling import load_model
 from qad_pipeline.nvfp4.sizes import size_report
@@ -52,12 +53,13 @@ class Export:
     input_scales: dict
     weight_scales: dict
     quantized: dict
+    static_amax: dict
 
 
 def with_student(folder, student_dir, params) -> Export:
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
     return Export(folder, student_dir, size_report(student)["layer_formats"], student_input_scales(student),
-                  student_weight_scales(student), student_weights(student))
+                  student_weight_scales(student), student_weights(student), student_block_amax(student))
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,7 @@ def run_check(check: str, export: Export) -> dict:
     if check == "formats":
         return check_formats(export.formats, tensors, read_json(folder / "hf_quant_config.json"))
     if check == "weights":
-        return check_weights(tensors, export.quantized, checkpoint_weights(export.student_dir))
+        return check_weights(tensors, export.quantized, block_amax(export.student_dir, export.static_amax))
     raise ValueError(check)
 
 
@@ -100,6 +102,19 @@ def test_next_fp8_step_is_one_representable_step():
     scales = torch.tensor([1.0, 0.5, 448.0 / 2], dtype=torch.float8_e4m3fn)
     stepped = failure_catalog.next_fp8_step(scales, 1).float()
     assert stepped[0] == 1.0 and stepped[1] == 0.5625 and stepped[2] == 224.0  # 0.5 x (1 + 1/8)
+
+
+def test_a_midpoint_computed_in_another_order_is_still_a_tie():
+    """SmolLM2-135M's GPTQ export, layers.21.mlp.down_proj: block amax 0.228515625, global amax 2.4375.
+    The export's scale is exactly 42 (between FP8's 40 and 44, stored as 40); recomputed from the
+    stored global scale it is 42.0000038, one float32 ulp above. Both roundings are candidates; a
+    value half an FP8 step from the midpoint has one."""
+    stored_global = torch.tensor(2.4375) / (6 * 448)
+    x = torch.tensor(0.228515625) / (6 * stored_global)
+    assert x.item() != 42.0
+    nearest, either = fp8_roundings(torch.stack([x, torch.tensor(42.0), torch.tensor(41.0), torch.tensor(43.0)]))
+    assert nearest.tolist() == [44.0, 40.0, 40.0, 44.0]
+    assert either.tolist() == [40.0, 44.0, 40.0, 44.0]
 
 
 @pytest.mark.slow
@@ -126,7 +141,6 @@ def test_each_moe_failure_is_refused_on_the_demo(demo, entry, tmp_path):
 
 def refused(entry, export: Export, tmp_path) -> None:
     broken = entry.corrupt(export.folder, tmp_path / entry.name)
-    result = run_check(entry.check, Export(broken, export.student_dir, export.formats, export.input_scales,
-                                           export.weight_scales, export.quantized))
+    result = run_check(entry.check, replace(export, folder=broken))
     assert not result["passed"]
     assert any(re.search(REFUSED_WITH[entry.name], p) for p in result["problems"]), result["problems"]

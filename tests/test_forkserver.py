@@ -94,3 +94,12 @@ def test_switched_off_by_its_variable(monkeypatch):
     assert not forkserver.usable()
     monkeypatch.setenv(forkserver.SWITCH, "1")
     assert forkserver.usable()  # no CUDA device here
+
+
+def test_a_server_that_cannot_import_says_so_at_the_first_start(tmp_path):
+    """Its error goes to the caller's stderr; `start` raises, and the flow then starts a fresh process."""
+    entry = forkserver.Entry(function="qad_pipeline.cli:app", prog_name="qad-pipeline", title=("qad-pipeline",),
+                             preload=("no_such_module_here",))
+    server = forkserver.Server(dict(os.environ), entry)
+    with pytest.raises(forkserver.ServerEnded, match="exit code 1"):
+        server.start(["--help"], str(tmp_path), dict(os.environ), str(tmp_path / "log"))

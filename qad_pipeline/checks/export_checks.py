@@ -187,16 +187,21 @@ def reload_dequantized(folder: Path, tensors: dict[str, torch.Tensor], trust_rem
     return model.eval()
 
 
-def reload_reference(student, batch: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+def reload_reference(student, batch: torch.Tensor, unquantized: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, float, float]:
     """What the reload check compares with: the student's weight-only logits on `batch`, and, on the
     first PROMPT_LEN tokens (eager attention holds the whole [length, length] score matrix; both are
-    per-token figures), its implementation noise and the weight quantization's own KL."""
+    per-token figures), its implementation noise and the weight quantization's own KL (against
+    `unquantized`, the logits on those tokens of the model before quantization where given, else of
+    the student with its quantizers off)."""
     from qad_pipeline.checks.serving_reference import PROMPT_LEN, implementation_noise, kl_per_token, view_logits
 
     short = batch[:, :PROMPT_LEN]
     weights = view_logits(student, short, "weights")
+    if unquantized is None:
+        unquantized = view_logits(student, short, "unquantized")
     return (view_logits(student, batch, "weights"), implementation_noise(student, short, "weights", weights),
-            kl_per_token(weights, view_logits(student, short, "unquantized")))
+            kl_per_token(weights, unquantized))
 
 
 @torch.no_grad()
@@ -238,36 +243,66 @@ def student_weights(student) -> dict[str, torch.Tensor]:
             and module.weight_quantizer.num_bits == (2, 1)}
 
 
-def checkpoint_weights(folder: Path):
-    """module name -> its weight as a checkpoint folder's safetensors hold it, read one at a time
-    (names compared with `normalize`)."""
+@torch.no_grad()
+def student_block_amax(student) -> dict[str, torch.Tensor]:
+    """module name -> the per-block amax (one per 16 values, flat, float32, on the CPU) of each NVFP4
+    weight quantizer with static block scales: what Model Optimizer's export takes each block scale
+    from (`NVFP4QTensor.get_weights_scaling_factor_from_quantizer`), whatever the weight is now. A
+    recipe that rewrites the weights after calibrating them (GPTQ) keeps the base weights' amax here."""
+    out = {}
+    for name, module in student.named_modules():
+        quantizer = getattr(module, "weight_quantizer", None)
+        amax = getattr(quantizer, "_amax", None)
+        if (getattr(quantizer, "is_enabled", False) and quantizer.num_bits == (2, 1) and amax is not None
+                and amax.numel() * 16 == module.weight.numel()):
+            out[name] = amax.detach().float().reshape(-1).cpu().clone()  # the export may rewrite it
+    return out
+
+
+def block_amax(folder: Path, static: dict[str, torch.Tensor]):
+    """module name -> the per-block amax its export's block scales came from: the student's static
+    one (`student_block_amax`), else the block's largest magnitude in the weight as the checkpoint
+    folder's safetensors hold it (read one at a time; names compared with `normalize`)."""
     shards = {normalize(key): (shard, key) for shard in sorted(Path(folder).glob("*.safetensors"))
               for key in safe_open(str(shard), "pt").keys() if key.endswith(".weight")}
 
-    def weight(module: str) -> torch.Tensor:
+    def amax(module: str) -> torch.Tensor:
+        if module in static:
+            return static[module]
         shard, key = shards[normalize(module)]
         with safe_open(str(shard), "pt") as f:
-            return f.get_tensor(key).to(torch.bfloat16)
-    return weight
+            return f.get_tensor(key).to(torch.bfloat16).float().reshape(-1, 16).abs().amax(1)
+    return amax
+
+
+MIDPOINT_ULPS = 4  # how far (float32 ulps) a computed block scale may sit from the FP8 midpoint it stands for
 
 
 def fp8_roundings(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FP8 (E4M3) value(s) a positive float rounds to: nearest, and at an exact midpoint either."""
+    """The FP8 (E4M3) value(s) a positive float32 rounds to: nearest, and at a midpoint either.
+
+    `x` is a block scale recomputed here, amax / (top x the stored global scale); Model Optimizer's
+    export and its fake-quant kernel compute it in other orders (amax / 6 / (global amax / 6) x 448),
+    so an exact midpoint of theirs can come out a float32 ulp or two beside it here (SmolLM2-135M's
+    GPTQ export: 42.0000038 for their 42, between 40 and 44, in 361 blocks of one layer). Within
+    MIDPOINT_ULPS of a midpoint counts as one; a scale one FP8 step off is half a step (>= 3 %) away."""
     nearest = x.to(torch.float8_e4m3fn)
     raw = nearest.view(torch.uint8).to(torch.int16)
     rf = nearest.float()
     other = torch.where(rf > x, (raw - 1).clamp_min(0), raw + 1).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    return rf, torch.where((rf + other) / 2 == x, other, rf)
+    at_midpoint = ((rf + other) / 2 - x).abs() <= MIDPOINT_ULPS * torch.finfo(torch.float32).eps * x
+    return rf, torch.where(at_midpoint, other, rf)
 
 
-def is_candidate_scale(weight: torch.Tensor, name: str, tensors: dict[str, torch.Tensor],
+def is_candidate_scale(amax: torch.Tensor, name: str, tensors: dict[str, torch.Tensor],
                        blocks: torch.Tensor) -> torch.Tensor:
-    """Per block of `blocks`: is the export's FP8 scale a rounding of the block's amax / (6 x global
-    scale) or amax / (4 x global scale), the candidates of Model Optimizer's NVFP4 recipes (the 4/6
-    recipe picks one of the two per block), either way at an exact FP8 midpoint."""
+    """Per block of `blocks`: is the export's FP8 scale a rounding of the block's amax (`amax`, one
+    per block of the tensor: `block_amax`) / (6 x global scale) or amax / (4 x global scale), the
+    candidates of Model Optimizer's NVFP4 recipes (the 4/6 recipe picks one of the two per block),
+    either way at an FP8 midpoint (`fp8_roundings`)."""
     base = name.removesuffix(".weight")
     scale = tensors[f"{base}.weight_scale"].float().reshape(-1)[blocks]
-    amax = weight.float().reshape(-1, 16)[blocks].abs().amax(1)
+    amax = amax[blocks]
     ok = torch.zeros_like(scale, dtype=torch.bool)
     for top in (6.0, 4.0):
         nearest, either = fp8_roundings(amax / (top * tensors[f"{base}.weight_scale_2"].float()))
@@ -275,7 +310,7 @@ def is_candidate_scale(weight: torch.Tensor, name: str, tensors: dict[str, torch
     return ok
 
 
-def check_weights(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], original=None) -> dict:
+def check_weights(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], amax=None) -> dict:
     """(e) No block of 16 exported values off from the student's by one common ratio.
 
     The export's dequantized NVFP4 weights against the student's (`student_weights`), block by block.
@@ -285,10 +320,10 @@ def check_weights(tensors: dict[str, torch.Tensor], reference: dict[str, torch.T
     SCALED_BLOCK_MIN is a block scale, or with every block of a tensor its global scale, that is not
     what the student computed with (a hand edit, a wrong FP8 step), which the reload's KL can miss.
     Model Optimizer's export and its fake-quant kernel round a block scale that falls exactly on an
-    FP8 midpoint differently (1,157 of SmolLM2-135M's 4,976,640 blocks with the 4/6 recipe): `original`
-    (module -> its BF16 weight, e.g. read from the student's checkpoint, `checkpoint_weights`)
-    clears a block whose scale is one of its candidates (`is_candidate_scale`); a scale one FP8 step
-    off is not (it is at least half a step from the block's amax / 6 and amax / 4)."""
+    FP8 midpoint differently (1,157 of SmolLM2-135M's 4,976,640 blocks with the 4/6 recipe): `amax`
+    (module -> the per-block amax its scales came from, `block_amax`) clears a block whose scale is
+    one of its candidates (`is_candidate_scale`); a scale one FP8 step off is not (it is at least half
+    a step from the block's amax / 6 and amax / 4)."""
     stored = {normalize(n): n for n in tensors if n.endswith(".weight") and tensor_format(n, tensors) == "nvfp4"}
     problems, scaled_blocks, compared = [], 0, 0
     for module, want in reference.items():
@@ -302,9 +337,9 @@ def check_weights(tensors: dict[str, torch.Tensor], reference: dict[str, torch.T
         high, low = ratio.nan_to_num(-torch.inf).amax(1), ratio.nan_to_num(torch.inf).amin(1)
         uniform = (high - low).abs() <= UNIFORM_RATIO * high.abs()
         scaled = nonzero.any(1) & uniform & ((high - 1).abs() >= SCALED_BLOCK_MIN)
-        if original is not None and bool(scaled.any()):
+        if amax is not None and bool(scaled.any()):
             blocks = scaled.nonzero()[:, 0]
-            scaled[blocks[is_candidate_scale(original(module), name, tensors, blocks)]] = False
+            scaled[blocks[is_candidate_scale(amax(module), name, tensors, blocks)]] = False
         compared += want.shape[0]
         if bool(scaled.any()):
             n, first = int(scaled.sum()), int(scaled.nonzero()[0])

@@ -13,8 +13,8 @@ import torch
 
 from qad_pipeline.core.artifacts import read_json
 from qad_pipeline.core.config import ConfigError, Params
-from qad_pipeline.checks.export_checks import (check_formats, check_reload, check_size, check_weights, checkpoint_weights,
-                                        read_tensors, reload_reference, student_weights)
+from qad_pipeline.checks.export_checks import (block_amax, check_formats, check_reload, check_size, check_weights,
+                                               read_tensors, reload_reference, student_block_amax, student_weights)
 from qad_pipeline.checks.export_lint import lint, student_input_scales, student_weight_scales
 from qad_pipeline.core.layout import Layout
 
@@ -39,23 +39,64 @@ class StudentSide:
     input_scales: dict[str, float]  # the calibrated input scales the lint expects
     weight_scales: dict[str, float]  # the student's global weight scales the lint expects
     quantized: dict | None  # the student's quantized weights, for the weights check (then dropped)
-    student_dir: Path  # its checkpoint: the weights check reads each block's original weights there
+    static_amax: dict | None  # its static per-block amax, where it has one (`student_block_amax`; then dropped)
+    student_dir: Path  # its checkpoint: the weights check reads each other block's amax there
     vocab: int
 
 
-def student_side(layout: Layout, student, student_dir: Path) -> StudentSide:
-    """The student's side of every check, on the run's held-out windows."""
+def held_out(layout: Layout) -> tuple[torch.Tensor, list[list[int]]]:
+    """The reload check's windows and the serving check's prompts, from the run's held-out windows."""
     from qad_pipeline.core.calibration_data import load_ppl_windows
-    from qad_pipeline.checks.serving_reference import held_out_prompts, student_reference
-    from qad_pipeline.nvfp4.sizes import size_report
+    from qad_pipeline.checks.serving_reference import held_out_prompts
 
     windows = load_ppl_windows(layout.data)
-    batch = torch.from_numpy(windows[:2])
-    prompts = held_out_prompts(windows)
-    return StudentSide(expected=size_report(student), batch=batch, reload=reload_reference(student, batch),
-                       prompts=prompts, served=student_reference(student, prompts),
+    return torch.from_numpy(windows[:2]), held_out_prompts(windows)
+
+
+def rewrites_weights(params: Params, source: str) -> bool:
+    """The source is a PTQ recipe whose algorithm rewrote the weights (GPTQ writes back its rounded
+    ones): its student with the quantizers off is then not the model before quantization."""
+    from qad_pipeline.nvfp4.recipes import mutates_weights
+
+    return source.startswith("ptq/") and mutates_weights(params.recipe_path(source.removeprefix("ptq/")))
+
+
+@torch.no_grad()
+def unquantized_logits(params: Params, layout: Layout) -> dict[str, torch.Tensor]:
+    """The base model's logits on the checks' held-out tokens (`reload`: the first PROMPT_LEN of the
+    reload windows; `served`: the serving prompts), for a source that `rewrites_weights`: the model
+    before quantization, from which the export must be measurably further than from the student
+    (`serving_reference.threshold_terms`). The student with its quantizers off would be GPTQ's
+    rounded weights, the quantized model itself: a threshold of 0. Loaded, run and freed before the
+    student is loaded: one model on the device at a time."""
+    from qad_pipeline.core.modeling import input_device, load_model
+    from qad_pipeline.checks.serving_reference import PROMPT_LEN
+
+    base = load_model(params.base_model, params.hardware, dtype=torch.bfloat16)
+    batch, prompts = held_out(layout)
+    device = input_device(base)
+    out = {"reload": base(input_ids=batch[:, :PROMPT_LEN].to(device)).logits.float().cpu(),
+           "served": base(input_ids=torch.tensor(prompts).to(device)).logits.float().cpu()}
+    del base
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def student_side(layout: Layout, student, student_dir: Path, unquantized: dict | None = None) -> StudentSide:
+    """The student's side of every check, on the run's held-out windows; `unquantized`: the model
+    before quantization's logits where the student's own weights are not that model's (`unquantized_logits`)."""
+    from qad_pipeline.checks.serving_reference import student_reference
+    from qad_pipeline.nvfp4.sizes import size_report
+
+    batch, prompts = held_out(layout)
+    unquantized = unquantized or {}
+    return StudentSide(expected=size_report(student), batch=batch,
+                       reload=reload_reference(student, batch, unquantized.get("reload")),
+                       prompts=prompts, served=student_reference(student, prompts, unquantized.get("served")),
                        input_scales=student_input_scales(student), weight_scales=student_weight_scales(student),
-                       quantized=student_weights(student), student_dir=student_dir, vocab=student.config.vocab_size)
+                       quantized=student_weights(student), static_amax=student_block_amax(student),
+                       student_dir=student_dir, vocab=student.config.vocab_size)
 
 
 def check_checkpoint(params: Params, folder: Path, side: StudentSide) -> dict[str, dict]:
@@ -71,9 +112,9 @@ def check_checkpoint(params: Params, folder: Path, side: StudentSide) -> dict[st
         "formats": check_formats(side.expected["layer_formats"], tensors, quant_config),
         "size": check_size(side.expected["effective_bpe"], tensors),
         "lint": lint(tensors, side.input_scales, read_json(folder / "config.json"), quant_config, side.weight_scales),
-        "weights": check_weights(tensors, side.quantized, checkpoint_weights(side.student_dir)),
+        "weights": check_weights(tensors, side.quantized, block_amax(side.student_dir, side.static_amax)),
     }
-    side.quantized = None  # a BF16 copy of the NVFP4 layers, gone before the reload builds its model
+    side.quantized = side.static_amax = None  # a BF16 copy of the NVFP4 layers, gone before the reload builds its model
     checks["reload"] = check_reload(folder, tensors, reference, side.batch, noise, quantization_kl,
                                     params.base_model.trust_remote_code)
     write_reference(folder, side.prompts, side.served)
@@ -130,8 +171,9 @@ def verify_export(params: Params, layout: Layout, checkpoint: Path) -> dict:
     if not (student_dir / "config.json").is_file():
         raise ConfigError(f"the run's student {student_dir} ({exported}, which {manifest} names) is gone: "
                           "the checks compare the checkpoint with it")
+    unquantized = unquantized_logits(params, layout) if rewrites_weights(params, exported) else None
     side = student_side(layout, load_model(params.base_model, params.hardware, folder=student_dir,
-                                           dtype=torch.bfloat16), student_dir)
+                                           dtype=torch.bfloat16), student_dir, unquantized)
     with tempfile.TemporaryDirectory(prefix="qad-verify-export-") as tmp:
         view = Path(tmp)
         for file in checkpoint.iterdir():

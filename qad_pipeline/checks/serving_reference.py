@@ -137,19 +137,21 @@ def implementation_noise(student, batch: torch.Tensor, view: str, logits: torch.
     return kl_per_token(view_logits(student, batch, view, attention=other), logits)
 
 
-def student_reference(student, prompts: list[list[int]]) -> dict:
+def student_reference(student, prompts: list[list[int]], unquantized: torch.Tensor | None = None) -> dict:
     """What the served checkpoint must reproduce, per view (`VIEWS`; w4a4 only where NVFP4
     activations are quantized): the student's logits, its implementation noise, and the
     quantization's own KL in that view (vs the student with every quantizer off); and, as
     `UNQUANTIZED`, the logits of the student with every quantizer off, which the served model must be
-    further from than from the student."""
+    further from than from the student. `unquantized`: those logits from elsewhere (the base model,
+    where the recipe rewrote the weights: `export_verify.unquantized_logits`)."""
     from modelopt.torch.quantization.nn import TensorQuantizer
 
     batch = torch.tensor(prompts)
     nvfp4_activations = any(isinstance(q, TensorQuantizer) and q.is_enabled and _is_nvfp4_activation(n, q)
                             for n, q in student.named_modules())
     views = ["w4a16", "w4a4"] if nvfp4_activations else ["w4a16"]
-    unquantized = view_logits(student, batch, "unquantized")
+    if unquantized is None:
+        unquantized = view_logits(student, batch, "unquantized")
     out = {}
     for view in views:
         logits = view_logits(student, batch, view)

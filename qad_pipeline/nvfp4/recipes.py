@@ -31,6 +31,19 @@ def load_quantize_config(recipe_path: Path):
     return quantize
 
 
+def mutates_weights(recipe_path: Path) -> bool:
+    """The recipe's algorithm changes the weights themselves (GPTQ's error compensation), as Model
+    Optimizer's own config class declares (`_mutates_weights`); an AutoQuantize recipe does not."""
+    from modelopt.torch.quantization.mode import CalibrateModeRegistry, get_modelike_from_algo_cfg
+
+    from qad_pipeline.nvfp4 import autoquant, layerwise
+
+    if autoquant.is_auto_quantize(recipe_path):
+        return False
+    [(mode, _)] = get_modelike_from_algo_cfg(layerwise.plain_algorithm(load_quantize_config(recipe_path).model_dump()))
+    return bool(CalibrateModeRegistry[mode].config_class._mutates_weights)
+
+
 def check_recipe(recipe_path: Path, base_model=None) -> None:
     """Load and validate one recipe file as `run_ptq` will, before any work: a `ConfigError` naming the
     file and its problem (invalid YAML, not a PTQ recipe, a format or field Model Optimizer rejects).

@@ -71,6 +71,10 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+class ServerEnded(RuntimeError):
+    """The server is gone (an import of its failed, or it was killed): nothing can be forked from it."""
+
+
 class Server:
     """The flow's side of one server process: `start` forks a stage, `result` reads how it ended."""
 
@@ -112,7 +116,8 @@ class Server:
             with self._done:
                 while not self._forked:
                     if self.proc.poll() is not None:
-                        raise RuntimeError(f"the stage fork server ended (exit code {self.proc.returncode})")
+                        raise ServerEnded(f"the fork server ended (exit code {self.proc.returncode}; "
+                                          "its error is on this process's stderr)")
                     self._done.wait(0.5)
                 return self._forked.pop(0)
 
