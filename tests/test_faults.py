@@ -1,7 +1,8 @@
 """kill -9 at seeded random points of a stage, then the same command again: it completes, its result
 equals an uninterrupted run's (within the tolerances below), and nothing half-written is left or
 looks complete; and a disk that fills up during the export. Real processes, no mocks, in private
-copies of the shared flow run.
+copies of the shared flow run (the killed stages forked from a fork server, as a flow run's are
+without a GPU: `stage_server`).
 
 `QAD_FAULT_POINTS` kill points per stage (default 1; the matrix in docs/faults.md uses 5):
 
@@ -21,9 +22,11 @@ import time
 
 import pytest
 
+from flows.stage_process import STAGE_ENTRY
 from qad_pipeline.core.artifacts import read_json
 from qad_pipeline.core.config import PROJECT_ROOT
 from qad_pipeline.core.layout import Layout
+from qad_pipeline.platform import forkserver
 from tests.conftest import GOOD_RECIPES
 
 pytestmark = pytest.mark.slow
@@ -79,6 +82,38 @@ def run_to_end(cmd: list[str]) -> float:
     return time.time() - started
 
 
+@pytest.fixture(scope="module")
+def stage_server():
+    """The kill test's stage commands are forked from a fork server, as a flow run's stages are
+    without a GPU (`qad_pipeline/platform/forkserver.py`): each starts with its imports done, so every
+    kill point lands in the stage's work, and the module pays the imports once, not per command."""
+    server = forkserver.Server(dict(os.environ), STAGE_ENTRY)
+    yield server
+    server.close()
+    server.proc.wait(timeout=60)
+
+
+def forked(server, cmd: list[str], log, timeout: float = 900) -> tuple[int | None, float]:
+    """Run `cmd` (`python -m qad_pipeline ...`) forked from `server`, its output to `log`; (its exit
+    code, or None when it still ran after `timeout` and was killed with SIGKILL; its seconds)."""
+    started = time.time()
+    pid = server.start(cmd[3:], os.getcwd(), dict(os.environ), str(log))
+    while (ended := server.result(pid)) is None:
+        if time.time() - started > timeout:
+            os.kill(pid, signal.SIGKILL)
+            while server.result(pid) is None:
+                time.sleep(0.01)
+            return None, time.time() - started
+        time.sleep(0.01)
+    return os.waitstatus_to_exitcode(ended[0]), time.time() - started
+
+
+def forked_to_end(server, cmd: list[str], log) -> float:
+    code, seconds = forked(server, cmd, log)
+    assert code == 0, log.read_text()[-3000:]
+    return seconds
+
+
 def close(a, b, rtol: float) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(close(a[k], b[k], rtol) for k in a)
@@ -88,32 +123,28 @@ def close(a, b, rtol: float) -> bool:
 
 
 @pytest.mark.parametrize("stage", ["calibration", "ptq", "qad", "export"])
-def test_kill_9_then_the_same_command_completes_with_the_same_result(run_copy, stage):
+def test_kill_9_then_the_same_command_completes_with_the_same_result(run_copy, stage_server, stage, tmp_path):
     layout, overrides = run_copy
     cmd = command(layout, overrides, stage)
+    log = tmp_path / f"{stage}.log"
     shutil.rmtree(layout.qad_checkpoints, ignore_errors=True)
-    seconds = run_to_end(cmd)  # the uninterrupted result
+    seconds = forked_to_end(stage_server, cmd, log)  # the uninterrupted result
     expected = result(layout, stage)
     rng = random.Random(f"{SEED}-{stage}")
     rtol = QAD_LOSS_RTOL if stage == "qad" else 1e-9
     outcomes = []
     while sum(o["killed"] for o in outcomes) < POINTS and len(outcomes) < 3 * POINTS:
         shutil.rmtree(layout.qad_checkpoints, ignore_errors=True)  # QAD starts afresh, then resumes
-        at = rng.uniform(0.3, 0.95) * seconds  # past the imports (about the first quarter), into the work
-        started = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            proc.wait(timeout=at)
-            killed = False
-            seconds = time.time() - started  # it ran faster than before (less load): aim by this run's time
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            killed = True
+        at = rng.uniform(0.3, 0.95) * seconds  # into the work
+        code, took = forked(stage_server, cmd, log, timeout=at)
+        killed = code is None
+        if not killed:
+            assert code == 0, log.read_text()[-3000:]
+            seconds = took  # it ran faster than before (less load): aim by this run's time
         if looks_complete(layout, stage):  # killed before it cleared the last result, or after; or not killed
             assert close(expected, result(layout, stage), rtol), f"{stage} killed at {at:.1f}s left a partial output"
         if killed:
-            run_to_end(cmd)
+            forked_to_end(stage_server, cmd, log)
         got = result(layout, stage)
         assert close(expected, got, rtol), f"{stage} killed at {at:.1f}s: {got} != uninterrupted {expected}"
         assert not list(layout.root.rglob("*.partial")), "a half-written folder was left behind"
