@@ -133,3 +133,5 @@ def test_the_export_compares_a_gptq_source_with_the_base_model_and_every_other_w
     params = load_params()
     assert rewrites_weights(params, f"ptq/{GPTQ}")
     assert not rewrites_weights(params, "ptq/nvfp4_max-mamba_fp8-kv_fp8") and not rewrites_weights(params, "qad")
+    with pytest.raises(ConfigError, match="its recipe file .*no_such_recipe.yaml is gone"):
+        rewrites_weights(params, "ptq/no_such_recipe")

@@ -58,7 +58,13 @@ def rewrites_weights(params: Params, source: str) -> bool:
     ones): its student with the quantizers off is then not the model before quantization."""
     from qad_pipeline.nvfp4.recipes import mutates_weights
 
-    return source.startswith("ptq/") and mutates_weights(params.recipe_path(source.removeprefix("ptq/")))
+    if not source.startswith("ptq/"):
+        return False
+    recipe = params.recipe_path(source.removeprefix("ptq/"))
+    if not recipe.is_file():
+        raise ConfigError(f"{source}: its recipe file {recipe} is gone (ptq.recipe_dir); the export's checks read "
+                          "its algorithm (whether it rewrote the weights)")
+    return mutates_weights(recipe)
 
 
 @torch.no_grad()
