@@ -76,12 +76,11 @@ def wait_with_peak(pid: int, ended=None) -> tuple[int, int]:
 class Forked:
     """A stage process forked by the fork server, as `processes` keeps it (pid, returncode)."""
 
-    def __init__(self, pid: int, ended):
-        self.pid, self.returncode, self._ended = pid, None, ended
+    def __init__(self, server: forkserver.Server, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
 
     def wait(self) -> None:
-        while self._ended(self.pid) is None:  # the server reaps it and says so
-            time.sleep(0.05)
+        self.server.wait(self.pid)  # the server reaps it and says so
 
 
 def run_stage_process(
@@ -117,12 +116,11 @@ def run_stage_process(
     oom_before = oom_kills()
     with log_path.open("w") as log:
         # its own process group: a cancelled run stops it and whatever it started (processes.stop_all)
-        proc, ended = None, None
+        proc = None
         if fork and forkserver.usable():  # forked from a process that has imported its libraries (CPU only)
             server = forkserver.server_for(child_env, STAGE_ENTRY)
             try:
-                proc, ended = Forked(server.start(cmd[3:], str(Path(params_file).parent), child_env, str(log_path)),
-                                     server.result), server.result
+                proc = Forked(server, server.start(cmd[3:], str(Path(params_file).parent), child_env, str(log_path)))
             except forkserver.ServerEnded as err:
                 logger.warning("%s: %s; it runs as a fresh process", name, err)
         if proc is None:
@@ -130,7 +128,7 @@ def run_stage_process(
                                     env=child_env, start_new_session=True)
         processes.started(proc)
         try:
-            status, peak_kb = wait_with_peak(proc.pid, ended)
+            status, peak_kb = wait_with_peak(proc.pid, proc.server.result if isinstance(proc, Forked) else None)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -29,8 +29,8 @@ import torch
 
 from qad_pipeline.core.artifacts import fingerprint, read_json, staged_dir, write_json
 from qad_pipeline.core.config import ConfigError, Params, StageError
-from qad_pipeline.checks.export_verify import (MANIFEST, check_checkpoint, failed_checks, rewrites_weights, source_folder,
-                                               student_side, unquantized_logits)
+from qad_pipeline.checks.export_verify import (MANIFEST, check_checkpoint, failed_checks, source_folder, student_side,
+                                               unquantized_logits)
 from qad_pipeline.core.layout import Layout
 from qad_pipeline.results.base import dump_result, write_result
 from qad_pipeline.results.export_metrics import ExportMetrics, ServingCheck, ServingNotes
@@ -178,7 +178,7 @@ def run_export(params: Params, layout: Layout) -> dict:
                              + [f"{p.name}:{p.stat().st_size}" for p in sorted(student_dir.glob("*.safetensors"))])
     check_target(layout.export, source_key)
     # a recipe that rewrote the weights (GPTQ) is compared with the base model, not with itself unquantized
-    unquantized = unquantized_logits(params, layout) if rewrites_weights(params, source) else None
+    unquantized = unquantized_logits(params, layout, source)
     student = load_model(params.base_model, params.hardware, folder=student_dir, dtype=torch.bfloat16)
     side = student_side(layout, student, student_dir, unquantized)
 

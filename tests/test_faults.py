@@ -98,13 +98,11 @@ def forked(server, cmd: list[str], log, timeout: float = 900) -> tuple[int | Non
     code, or None when it still ran after `timeout` and was killed with SIGKILL; its seconds)."""
     started = time.time()
     pid = server.start(cmd[3:], os.getcwd(), dict(os.environ), str(log))
-    while (ended := server.result(pid)) is None:
-        if time.time() - started > timeout:
-            os.kill(pid, signal.SIGKILL)
-            while server.result(pid) is None:
-                time.sleep(0.01)
-            return None, time.time() - started
-        time.sleep(0.01)
+    ended = server.wait(pid, timeout)
+    if ended is None:
+        os.kill(pid, signal.SIGKILL)
+        server.wait(pid)
+        return None, time.time() - started
     return os.waitstatus_to_exitcode(ended[0]), time.time() - started
 
 

@@ -30,10 +30,8 @@ def run(server, argv, cwd, log, until=None):
     pid = server.start(argv, str(cwd), {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, str(log))
     if until:
         until(pid)
-    deadline = time.time() + 300
-    while (ended := server.result(pid)) is None:
-        assert time.time() < deadline, f"qad-pipeline {' '.join(argv)} did not end: {log.read_text()[-2000:]}"
-        time.sleep(0.05)
+    ended = server.wait(pid, timeout=300)
+    assert ended is not None, f"qad-pipeline {' '.join(argv)} did not end: {log.read_text()[-2000:]}"
     return os.waitstatus_to_exitcode(ended[0]), ended[1]
 
 

@@ -68,15 +68,18 @@ def rewrites_weights(params: Params, source: str) -> bool:
 
 
 @torch.no_grad()
-def unquantized_logits(params: Params, layout: Layout) -> dict[str, torch.Tensor]:
-    """The base model's logits on the checks' held-out tokens (`reload`: the first PROMPT_LEN of the
-    reload windows; `served`: the serving prompts), for a source that `rewrites_weights`: the model
-    before quantization, from which the export must be measurably further than from the student
-    (`serving_reference.threshold_terms`). The student with its quantizers off would be GPTQ's
-    rounded weights, the quantized model itself: a threshold of 0. Loaded, run and freed before the
-    student is loaded: one model on the device at a time."""
+def unquantized_logits(params: Params, layout: Layout, source: str) -> dict[str, torch.Tensor] | None:
+    """For a source that `rewrites_weights` (else None): the base model's logits on the checks'
+    held-out tokens (`reload`: the first PROMPT_LEN of the reload windows; `served`: the serving
+    prompts), the model before quantization, from which the export must be measurably further than
+    from the student (`serving_reference.threshold_terms`). The student with its quantizers off would
+    be GPTQ's rounded weights, the quantized model itself: a threshold of 0. Call it before loading
+    the student: the base model is loaded, run and freed, one model on the device at a time."""
     from qad_pipeline.core.modeling import input_device, load_model
     from qad_pipeline.checks.serving_reference import PROMPT_LEN
+
+    if not rewrites_weights(params, source):
+        return None
 
     base = load_model(params.base_model, params.hardware, dtype=torch.bfloat16)
     batch, prompts = held_out(layout)
@@ -177,7 +180,7 @@ def verify_export(params: Params, layout: Layout, checkpoint: Path) -> dict:
     if not (student_dir / "config.json").is_file():
         raise ConfigError(f"the run's student {student_dir} ({exported}, which {manifest} names) is gone: "
                           "the checks compare the checkpoint with it")
-    unquantized = unquantized_logits(params, layout) if rewrites_weights(params, exported) else None
+    unquantized = unquantized_logits(params, layout, exported)
     side = student_side(layout, load_model(params.base_model, params.hardware, folder=student_dir,
                                            dtype=torch.bfloat16), student_dir, unquantized)
     with tempfile.TemporaryDirectory(prefix="qad-verify-export-") as tmp:

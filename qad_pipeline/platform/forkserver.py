@@ -37,6 +37,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 
 import setproctitle
@@ -79,7 +80,7 @@ class Server:
     """The flow's side of one server process: `start` forks a stage, `result` reads how it ended."""
 
     def __init__(self, env: dict[str, str], entry: Entry):
-        self.env, self.entry = {k: v for k, v in env.items() if k not in PER_STAGE}, entry
+        self.env, self.entry = _shared(env), entry
         self.proc = subprocess.Popen([sys.executable, "-c", "from qad_pipeline.platform.forkserver import serve; serve()",
                                       json.dumps(asdict(entry))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**self.env, "PYTHONUNBUFFERED": "1"},
@@ -104,8 +105,7 @@ class Server:
             self._done.notify_all()  # the server ended: nothing more comes
 
     def fits(self, env: dict[str, str], entry: Entry) -> bool:
-        return (self.proc.poll() is None and entry == self.entry
-                and {k: v for k, v in env.items() if k not in PER_STAGE} == self.env)
+        return self.proc.poll() is None and entry == self.entry and _shared(env) == self.env
 
     def start(self, argv: list[str], cwd: str, env: dict[str, str], log: str) -> int:
         """Fork the entry point with `argv` in `cwd` with `env`, its output appended to `log`; its pid."""
@@ -130,10 +130,24 @@ class Server:
                 return (signal.SIGKILL, 0)  # the server died and took its children with it
             return None
 
+    def wait(self, pid: int, timeout: float | None = None) -> tuple[int, int] | None:
+        """`result` once `pid` has ended; None if it still runs after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (ended := self.result(pid)) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return ended
+
     def close(self) -> None:
         """Close its requests: it ends once its children have (it waits for them)."""
         with contextlib.suppress(OSError, ValueError):
             self.proc.stdin.close()
+
+
+def _shared(env: dict[str, str]) -> dict[str, str]:
+    """What of a stage's environment its server must share (all but `PER_STAGE`)."""
+    return {k: v for k, v in env.items() if k not in PER_STAGE}
 
 
 _servers: list[Server] = []
