@@ -9,7 +9,10 @@ stage's peak RSS against the memory plan's estimate, and what the selection pick
 `--set section.key=value` (repeatable) adds overrides, e.g. `ptq.layerwise=true`. `--export
 RECIPE ...` then exports those recipes' checkpoints one after another (`export.source=ptq/<recipe>`,
 the export checks and the serving check in vLLM, `qad-pipeline setup-vllm`) and prints each
-check's verdict and the served views' KL. Stages already done under the out-root are kept
+check's verdict and the served views' KL. `--qad NAME[:KEY=VALUE,...] ...` then trains QAD once per
+variant from the selected recipe (the default step budget; e.g. `plain lsq:qad.learn_scales=lsq
+cached:qad.teacher=cached`), evaluates and exports each (`export.source=qad`, the same checks) and
+prints its recovery beside the student's. Stages already done under the out-root are kept
 (remove it to start over).
 """
 
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--out-root", type=Path, default=Path("runs/recipe-table"))
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--export", nargs="+", default=[], metavar="RECIPE")
+    ap.add_argument("--qad", nargs="+", default=[], metavar="NAME[:KEY=VALUE,...]")
     args = ap.parse_args()
     recipes = args.recipes or sorted(p.stem for p in (PROJECT_ROOT / "recipes").glob("nvfp4_*.yaml"))
     model = build_real_model()
@@ -91,20 +95,41 @@ def main() -> None:
               f"{timing.get('total', 0):8.0f} {scores['peak_rss_mb']:8.0f} {plan_mb:8.0f} {scores['peak_rss_mb'] / plan_mb:9.2f}")
     print(f"selected: {selection['selected']}; {selection['reason']}")
     for recipe in args.export:
-        shutil.rmtree(layout.export, ignore_errors=True)  # the previous recipe's export: one at a time here
-        seconds, error = stage(root, [*overrides, f"export.source=ptq/{recipe}"], "export", check=False)
-        if error:  # verification failed: nothing was put in place, the reason is the error line
-            print(f"export ptq/{recipe}: FAILED in {seconds:.0f} s: {error}", flush=True)
-            continue
-        export = read_json(root / "metrics" / "export.json")
-        (root / "metrics" / f"export-{recipe}.json").write_text((root / "metrics" / "export.json").read_text())
-        serving = export.get("serving_check") or {}
-        views = (export["checks"].get("serving") or {}).get("views") or {}
-        kl = ", ".join(f"{v} KL {views[v]['kl_divergence']:.4f} top-1 {views[v]['top1_agreement'] or 0:.3f}"
-                       for v in sorted(views) if views[v])
-        checks = ", ".join(f"{n} {c['passed']}" for n, c in export["checks"].items())
-        print(f"export ptq/{recipe}: passed {export['passed']} in {seconds:.0f} s; checks {checks}; serving level "
-              f"{serving.get('level')}: {kl}")
+        export(root, layout, overrides, f"ptq/{recipe}", recipe)
+    for variant in args.qad:
+        name, _, settings = variant.partition(":")
+        settings = [s for s in settings.split(",") if s]
+        if "qad.teacher=cached" in settings:
+            stage(root, [*overrides, *settings], "teacher_cache")
+        seconds, _ = stage(root, [*overrides, *settings], "qad")
+        stage(root, [*overrides, *settings], "final_eval")
+        metrics, training = read_json(root / "metrics" / "qad.json"), read_json(layout.qad / "loss.json")
+        (root / "metrics" / f"qad-{name}.json").write_text((root / "metrics" / "qad.json").read_text())
+        low, high = metrics["median_recovery_ci"]
+        print(f"qad {name} ({' '.join(settings) or 'defaults'}) from {metrics['recipe']}: "
+              f"{100 * metrics['median_recovery']:.2f} % [{100 * low:.2f}-{100 * high:.2f}], KL "
+              f"{metrics['kl_divergence']:.4f} (PTQ {100 * metrics['ptq_median_recovery']:.2f} %); {metrics['steps']} steps "
+              f"in {training['seconds']:.0f} s (stage {seconds:.0f} s), KD loss {training['first_loss']:.5f} -> "
+              f"{training['final_loss']:.5f}, learned scales: {training.get('learned_scales', 0)} quantizers", flush=True)
+        export(root, layout, [*overrides, *settings], "qad", f"qad-{name}")
+
+
+def export(root: Path, layout: Layout, overrides: list[str], source: str, name: str) -> None:
+    """Export `source` (ptq/<recipe> or qad) with its checks and the serving check; print each verdict."""
+    shutil.rmtree(layout.export, ignore_errors=True)  # the previous export: one at a time here
+    seconds, error = stage(root, [*overrides, f"export.source={source}"], "export", check=False)
+    if error:  # verification failed: nothing was put in place, the reason is the error line
+        print(f"export {name}: FAILED in {seconds:.0f} s: {error}", flush=True)
+        return
+    result = read_json(root / "metrics" / "export.json")
+    (root / "metrics" / f"export-{name}.json").write_text((root / "metrics" / "export.json").read_text())
+    serving = result.get("serving_check") or {}
+    views = (result["checks"].get("serving") or {}).get("views") or {}
+    kl = ", ".join(f"{v} KL {views[v]['kl_divergence']:.4f} top-1 {views[v]['top1_agreement'] or 0:.3f}"
+                   for v in sorted(views) if views[v])
+    checks = ", ".join(f"{n} {c['passed']}" for n, c in result["checks"].items())
+    print(f"export {name}: passed {result['passed']} in {seconds:.0f} s; checks {checks}; serving level "
+          f"{serving.get('level')}: {kl}", flush=True)
 
 
 if __name__ == "__main__":

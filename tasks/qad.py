@@ -68,6 +68,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from tqdm import tqdm
 
+from qad_pipeline.nvfp4 import learned_scales
 from qad_pipeline.training import kd_loss
 from qad_pipeline.core.artifacts import fingerprint, staged_dir
 from qad_pipeline.core.config import ConfigError, Params, QADParams, StageError
@@ -357,6 +358,7 @@ def run_qad(params: Params, student_dir: Path, data_dir: Path, out_dir: Path, ch
         "offload": qad.offload if sharded else None,
         "teacher": qad.teacher,
         "num_nodes": qad.num_nodes,
+        "learn_scales": qad.learn_scales, "learned_scales": len(learned_scales.quantizers_learning(student)),
         **held,
     }
     final = trained_student(student, world, params, student_dir)

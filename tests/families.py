@@ -57,9 +57,12 @@ FAMILIES = {f.name: f for f in [
     Family("llama", T.LlamaForCausalLM, T.LlamaConfig, {},
            ("ptq.layerwise=true", *beside_the_five("nvfp4_gptq-mamba_fp8-kv_fp8"))),
     Family("gemma3", T.Gemma3ForCausalLM, T.Gemma3TextConfig, dict(sliding_window=32)),  # tied, sliding + global
-    Family("qwen3", T.Qwen3ForCausalLM, T.Qwen3Config, dict(tie_word_embeddings=True)),  # q/k norms, tied
+    # QAD with learned block scales (qad.learn_scales lsq): exported and served from the learned scales
+    Family("qwen3", T.Qwen3ForCausalLM, T.Qwen3Config, dict(tie_word_embeddings=True),  # q/k norms, tied
+           ("qad.learn_scales=lsq",)),
     Family("qwen3_moe", T.Qwen3MoeForCausalLM, T.Qwen3MoeConfig,
-           dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)),  # fused experts, router
+           dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),  # fused experts, router
+           ("qad.learn_scales=lsq",)),
     Family("mistral", T.MistralForCausalLM, T.MistralConfig, dict(sliding_window=32),
            beside_the_five("nvfp4_headroom-mamba_fp8-kv_fp8")),
     Family("phi3", T.Phi3ForCausalLM, T.Phi3Config, dict(pad_token_id=0),  # fused qkv_proj, gate_up_proj

@@ -35,6 +35,9 @@ def check_family(name: str, params, layout) -> None:
     assert selection["selected"] in params.ptq.recipes
     qad = read_json(layout.metrics / "qad.json")
     assert qad["steps"] == params.qad.steps and qad["median_recovery"] > 0
+    training = read_json(layout.qad / "loss.json")
+    assert training["learn_scales"] == params.qad.learn_scales
+    assert (training["learned_scales"] > 0) == (params.qad.learn_scales == "lsq"), training["learned_scales"]
     export = read_json(layout.metrics / "export.json")
     assert export["source"] == (f"ptq/{exported}" if exported else "qad"), export["source"]
     assert export["passed"] and all(c["passed"] for c in export["checks"].values()), export["checks"]

@@ -54,7 +54,10 @@ pytestmark = pytest.mark.slow
 GRAD_RTOL = 1e-4
 WEIGHT_RTOL = 2**-7
 # float32: bf16 autocast is several times slower on a CPU without native bf16; the comparison is the point.
-SETTINGS = ["qad.steps=6", "qad.checkpoint_every=2", "qad.compute_dtype=float32", "hardware.device=cpu"]
+# Learned block scales (qad.learn_scales lsq): one more parameter per block of 16 weights, sharded,
+# checkpointed per process and gathered like the weights.
+SETTINGS = ["qad.steps=6", "qad.checkpoint_every=2", "qad.compute_dtype=float32", "hardware.device=cpu",
+            "qad.learn_scales=lsq"]
 # the two processes' half-batches of TINY's qad.batch_size=4, summed in one process in the same order
 ONE_PROCESS = ["qad.batch_size=2", "qad.grad_accum=2"]
 
@@ -120,6 +123,7 @@ def test_ddp_in_two_processes_follows_one_process(run_copy, one_process):
     assert norms == reference_norms  # a summed (2x) gradient would be off by 1
     assert_same_student(weights, reference_weights)
     assert read_json(layout.qad / "loss.json")["world_size"] == 2
+    assert read_json(layout.qad / "loss.json")["learned_scales"] == one_process[3]["learned_scales"] > 0
 
 
 def two_nodes(layout, overrides):
@@ -170,6 +174,7 @@ def test_fsdp_sharded_teacher_killed_then_resumed_on_two_nodes_offloaded_follows
     assert "qad: 1 processes on each of 2 nodes (fsdp, offloaded) under torchrun" in out
     result = read_json(layout.qad / "loss.json")
     assert (result["resumed_from"], result["world_size"], result["num_nodes"], result["offload"]) == (saved_step, 2, 2, True)
+    assert result["learned_scales"] == one_process[3]["learned_scales"] > 0
     # each process holds half the teacher (to one element of padding per tensor), measured from its shards
     assert result["teacher_bytes"] == pytest.approx(one_process[3]["teacher_bytes"] / 2, rel=1e-3)
     losses, norms, weights = trained(layout)

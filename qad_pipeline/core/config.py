@@ -282,6 +282,7 @@ class QADParams(_Section):
     teacher_tail_samples: int = Field(default=32, ge=0)
     chunked_loss: bool = True  # the KD loss chunk by chunk of positions, no [tokens x vocab] logits (kd_loss.py)
     compile: bool = False  # torch.compile on each decoder block
+    learn_scales: Literal["none", "lsq"] = "none"  # lsq: NVFP4 block scales trained too (nvfp4/learned_scales.py)
 
     @property
     def processes(self) -> int:  # on all nodes

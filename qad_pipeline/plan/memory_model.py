@@ -279,10 +279,12 @@ def qad_phases(params: Params, shape: ModelShape, device: str, item: str | None 
     sharded = w > 1 and q.sharding == "fsdp"
     shards, offload = (w, q.offload) if sharded else (1, False)
     tokens = max(1, q.batch_size // w) * q.seq_len
-    state = {"quantizer_state": shape.matrix_params // 16 * 4} if _any_static(params) else {}
+    state = {"quantizer_state": shape.matrix_params // 16 * 4} if _any_static(params) or q.learn_scales != "none" else {}
     live = q.teacher == "live"  # a cached teacher is read from disk, a batch at a time: no teacher, no teacher logits
     owned = {"teacher": n * d // shards if live else 0, "student_fp32": n * 4 // shards, "grads": n * 4 // shards,
              "adamw": 2 * n * 4 // shards}
+    if q.learn_scales != "none":  # one float32 amax per block of 16 weights, learned: its gradient and AdamW state
+        owned["learned_scales"] = shape.matrix_params // 16 * 4 * 3 // shards
     offloaded = {f"offloaded_{k}": v for k, v in owned.items()} if offload else {}
     trained = {**({} if offload else owned), **state}
     if w > 1 and q.sharding == "ddp":

@@ -40,6 +40,8 @@ class QADTraining(Strict):  # artifacts/qad/loss.json (tasks/qad.py: run_qad)
     num_nodes: int = 1
     teacher_bytes: int | None = None  # of the teacher's parameters and buffers, what the first process held
     student_bytes: int | None = None  # the same of the student (its shards under fsdp)
+    learn_scales: str = "none"  # qad.learn_scales
+    learned_scales: int = 0  # weight quantizers whose block scales were trained (lsq)
 
 
 class LossCurve(RootModel[list[LossPoint]]):

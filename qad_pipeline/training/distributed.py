@@ -30,6 +30,7 @@ from qad_pipeline.core.config import ConfigError, Params, StageError
 from qad_pipeline.core.modeling import DTYPES, input_device, load_model, resolve_device
 from qad_pipeline.platform.processes import die_with_parent
 from qad_pipeline.core.stages import QAD
+from qad_pipeline.nvfp4 import learned_scales
 
 
 def check_processes(params: Params) -> None:
@@ -205,6 +206,13 @@ def _shard(model, world: World, offload: bool) -> None:
     fully_shard(model, mesh=mesh, offload_policy=policy)  # embeddings, final norm, LM head
 
 
+def _learning(model, folder: Path | None, q):
+    """The student (`folder` set) with its NVFP4 block scales learnable where `qad.learn_scales` says so."""
+    if folder is not None:
+        learned_scales.enable(model, q.learn_scales)
+    return model
+
+
 def load_spread(params: Params, world: World, folder: Path | None = None, dtype: torch.dtype | None = None):
     """The teacher (`folder` None) or the student saved in `folder`, on this process, spread over the
     processes as `qad.sharding` says.
@@ -223,7 +231,7 @@ def load_spread(params: Params, world: World, folder: Path | None = None, dtype:
     dtype = dtype or DTYPES[params.base_model.dtype]
     if world.size == 1 or q.sharding == "ddp":
         hardware = params.hardware if world.size == 1 else params.hardware.model_copy(update={"device_map": "single"})
-        model = load_model(params.base_model, hardware, folder=folder, dtype=dtype)
+        model = _learning(load_model(params.base_model, hardware, folder=folder, dtype=dtype), folder, q)
         if world.size > 1 and folder is not None:  # the student: replicated, gradients all-reduced
             from torch.nn.parallel import DistributedDataParallel
 
@@ -233,11 +241,11 @@ def load_spread(params: Params, world: World, folder: Path | None = None, dtype:
     full, extra = {}, {}
     if world.rank == 0:
         on_host = params.hardware.model_copy(update={"device": "cpu", "device_map": "single"})
-        model = load_model(params.base_model, on_host, folder=folder, dtype=dtype)
+        model = _learning(load_model(params.base_model, on_host, folder=folder, dtype=dtype), folder, q)
         full = model.state_dict()
         extra = {name: b for name, b in model.named_buffers() if name not in full}
     else:
-        model = _empty_model(params, folder, dtype)
+        model = _learning(_empty_model(params, folder, dtype), folder, q)  # the same parameters, without storage
     _shard(model, world, q.offload)
     model.to_empty(device="cpu" if q.offload else world.device)
     for module in model.modules():  # buffers are not sharded: they live where the computation runs
@@ -306,7 +314,10 @@ def trained_student(student, world: World, params: Params, student_dir: Path):
             return None
         student = load_model(params.base_model, params.hardware.model_copy(update={"device": "cpu"}),
                              folder=student_dir, dtype=torch.float32)
+        student = _learning(student, student_dir, params.qad)
         student.load_state_dict(full)
     if world.rank != 0:
         return None
-    return getattr(student, "module", student).to(DTYPES[params.base_model.dtype]).eval()  # DDP wraps it
+    student = getattr(student, "module", student)  # DDP wraps it
+    learned_scales.fold(student)  # learned block scales back into plain static quantizers, as the export reads them
+    return student.to(DTYPES[params.base_model.dtype]).eval()
