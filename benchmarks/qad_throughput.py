@@ -13,9 +13,9 @@ torch.profiler (ms per step by `qad.*` range and by kernel group, top kernels).
 Modes (`--modes`, comma-separated): live (NVFP4 student, live teacher), cached (NVFP4 student, the
 teacher_cache stage's writer run first for the windows it draws; `--cache-tail-samples` 0 by default:
 the writer samples the tail on the host, ~0.5 s per 2,048 positions at a 128K vocabulary, and the step
-differs only by a logsumexp for a gather), baseline (the student without
-quantizers: plain BF16 distillation, live teacher); suffix `:full` = the KD loss from the full logits,
-`:compile` = torch.compile on each decoder block (in place, so those modes run last).
+differs only by a logsumexp for a gather), baseline (the student without quantizers: plain BF16
+distillation, live teacher); suffix `:full` = the KD loss from the full logits, `:compile` =
+torch.compile on each decoder block (in place: those modes run last), `:lsq` = learned block scales.
 
 MFU = (6 N_s + 2 N_t + A) x tokens/s / peak (`qad_pipeline/core/targets.py` GPUS; H200 989 TFLOP/s dense
 BF16). N: the weights of every matmul (decoder linears, output embedding; the input embedding is a
@@ -25,8 +25,8 @@ backward), x1 for a live teacher.
 
 `--device cpu`: a tiny model (2 layers, hidden 256, vocabulary 32K, 4 x 256 tokens): one QAD step of
 the real loop against a bare loop (teacher forward, student forward and backward with a plain KL,
-AdamW; same fake-quantized student, same batches), medians of `--repeats` interleaved steps.
-`--quick`: the cuda mode's whole path on a tiny model on the CPU (a smoke run).
+AdamW; same fake-quantized student, same batches), medians of `--repeats` interleaved steps; also
+with learned block scales. `--quick`: the cuda mode's whole path on a tiny model on the CPU (a smoke run).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from qad_pipeline.training.distributed import World  # noqa: E402
 from qad_pipeline.training.training_text import batch_indices  # noqa: E402
 from models import llama_1b_config, quiet, teacher_and_student, tiny_config  # noqa: E402 (benchmarks/models.py)
 from tasks.qad import QADStep, compile_blocks, host_copy, lr_lambda, train_step  # noqa: E402
+from qad_pipeline.nvfp4 import learned_scales  # noqa: E402
 
 KERNEL_GROUPS = (("fake quantization", ("fp4", "quant", "e2m1", "e4m3", "amax")),
                  ("matmul", ("gemm", "cutlass", "nvjet", "sm90", "xmma", "cublas", "matmul")),
@@ -197,6 +198,8 @@ def run_mode(mode: str, args, models: dict, windows, device, rows: int, peak_flo
     if option == "compile":
         for model in (student, models["teacher"]):
             compile_blocks(model)
+    if option == "lsq" and learned_scales.enable(student := copy.deepcopy(student), "lsq") == 0:
+        raise RuntimeError("no NVFP4 weight quantizer to learn scales for")  # a copy: the others keep the plain student
     params = qad_params(rows, args.seq, steps, "cached" if cache else "live", args.cache_tail_samples)
     step = make_step(params, student, models["teacher"], cache, device, chunked=option != "full")
     stream = batch_indices(len(windows), rows, params.qad.seed)
@@ -325,11 +328,12 @@ def cpu_ratio(args) -> dict:
     import torch.nn.functional as F
 
     device, seq, rows = torch.device("cpu"), 256, 4
-    config = tiny_config()
-    teacher, student = teacher_and_student(config, device, seq)
+    teacher, student = teacher_and_student(config := tiny_config(), device, seq)
     windows = np.random.default_rng(0).integers(0, config.vocab_size, size=(64, seq)).astype(np.int64)
-    steps = {chunked: make_step(qad_params(rows, seq, 100, "live"), student, teacher, None, device, chunked)
-             for chunked in (True, False)}
+    learning = copy.deepcopy(student)  # with learned block scales
+    learned_scales.enable(learning, "lsq")
+    steps = {key: make_step(qad_params(rows, seq, 100, "live"), model, teacher, None, device, key != "full")
+             for key, model in (("chunked", student), ("full", student), ("lsq", learning))}
     bare_optimizer = torch.optim.AdamW(student.parameters(), lr=1e-5)
 
     def bare(batch):
@@ -341,23 +345,23 @@ def cpu_ratio(args) -> dict:
         bare_optimizer.step()
         bare_optimizer.zero_grad(set_to_none=True)
 
-    times = {"qad": [], "qad_full_logits": [], "bare": []}
+    names = {"chunked": "qad", "full": "qad_full_logits", "lsq": "qad_lsq"}
+    times = {name: [] for name in [*names.values(), "bare"]}
     stream = batch_indices(len(windows), rows, 0)
     for i in range(args.repeats + 1):  # the first round warms up
-        for key, run in (("qad", lambda: run_steps(steps[True], windows, stream, 1)),
-                         ("qad_full_logits", lambda: run_steps(steps[False], windows, stream, 1)),
-                         ("bare", lambda: bare(torch.from_numpy(windows[next(stream)])))):
+        for key, run in [*((names[k], lambda k=k: run_steps(steps[k], windows, stream, 1)) for k in names),
+                         ("bare", lambda: bare(torch.from_numpy(windows[next(stream)])))]:
             started = time.perf_counter()
             run()
-            if i:
-                times[key].append(time.perf_counter() - started)
+            times[key] += [time.perf_counter() - started] if i else []
     medians = {key: statistics.median(v) for key, v in times.items()}
     result = {"threads": torch.get_num_threads(), "rows": rows, "seq": seq, "vocab": config.vocab_size,
               "median_s": medians, "ratio": medians["qad"] / medians["bare"],
-              "ratio_full_logits": medians["qad_full_logits"] / medians["bare"], "repeats": args.repeats}
+              "ratio_full_logits": medians["qad_full_logits"] / medians["bare"],
+              "ratio_lsq": medians["qad_lsq"] / medians["bare"], "repeats": args.repeats}
     print(f"cpu: one QAD step {medians['qad']:.3f} s, bare loop {medians['bare']:.3f} s: ratio {result['ratio']:.3f} "
-        f"(full-logits loss: {result['ratio_full_logits']:.3f}); median of {args.repeats}, {rows} x {seq} tokens, "
-        f"{torch.get_num_threads()} threads")
+        f"(full-logits loss: {result['ratio_full_logits']:.3f}; learned scales: {result['ratio_lsq']:.3f}); "
+        f"median of {args.repeats}, {rows} x {seq} tokens, {torch.get_num_threads()} threads")
     return result
 
 
