@@ -22,9 +22,13 @@ the same kind of checkpoint as any PTQ student:
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
-MODES = ("none", "lsq")
+from qad_pipeline.core.config import QADParams
+
+MODES = get_args(QADParams.model_fields["learn_scales"].annotation)  # ("none", "lsq"), as params.yaml takes them
 BLOCK = 16
 LSQ_FLOOR = 2.0**-9  # LSQ's smallest block amax, as a fraction of the global amax (E4M3's smallest subnormal
                     # times its per-tensor unit, global / 6: FP8 code 0.21875 where the static kernel goes to 2^-9)
@@ -104,7 +108,7 @@ def fold(model) -> int:
             continue
         global_amax = quantizer.global_amax.detach().float()
         smallest = global_amax * LSQ_FLOOR
-        amax = quantizer.amax_post.detach().float().clone().clamp(min=float(smallest), max=float(global_amax))
+        amax = quantizer.amax_post.detach().float().clamp(min=float(smallest), max=float(global_amax))
         for attr in ("_amax_post", "_amax_pre"):
             if attr in quantizer._parameters:
                 del quantizer._parameters[attr]
