@@ -264,6 +264,7 @@ def run_ptq(params: Params, recipe: str, data_dir: Path, reference_dir: Path, ou
     sizes = size_report(model)
     weight_error = weight_errors(model, originals=originals)
     del originals
+    _return_freed_heap()  # what calibration and the scale or GPTQ search freed, before the evaluation's logits
 
     t0 = time.time()
     scores = evaluate_model(model, tokenizer, params.eval, data_dir, reference=reference_dir, items=eval_items)
@@ -312,6 +313,21 @@ def _peak_device_mb() -> float | None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     return sum(torch.cuda.max_memory_allocated(d) for d in range(torch.cuda.device_count())) / 2**20
+
+
+def _return_freed_heap() -> None:
+    """glibc's `malloc_trim(0)`: the free memory of the heap and its arenas back to the system.
+
+    glibc keeps what a process frees (its threshold for mapping a large block on its own rises with
+    each one freed), so after quantization (GPTQ's Hessians and working copies, the originals of
+    the weight error) the process stays that large and the evaluation's logits come on top: GPTQ on
+    SmolLM2-135M peaked at 3,140 MB without this and 2,848 MB with it. A no-op without glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _peak_rss_mb() -> float:

@@ -66,7 +66,9 @@ def test_estimate_grows_with_its_knobs(config_only_model, stage, knob, low, high
 
 
 def test_estimate_grows_with_the_model_and_shrinks_with_the_memory_knobs(config_only_model):
-    p = params_with(config_only_model, "qad.seq_len=1024")
+    # the demo is an MoE: on the CPU its export's peak would be vLLM refusing its NVFP4 experts beside
+    # it, the same for any size (planned apart, below); the export's own phases grow
+    p = params_with(config_only_model, "qad.seq_len=1024", "export.serving_check=skip")
     shape = memory.model_shape(p.base_model)
     wider = shape.__class__(**{**shape.__dict__, "vocab": shape.vocab * 8})
     bigger = shape.__class__(**{**shape.__dict__, "params": shape.params * 8, "matrix_params": shape.matrix_params * 8})
@@ -192,3 +194,31 @@ def test_a_stage_peak_is_its_own_not_its_parents():
     assert status == 0
     assert 300 <= peak_kb / 1024 < 450, peak_kb / 1024
     del parent
+
+
+def test_the_serving_checks_vllm_is_planned_as_it_runs_here_and_quantized_evals_keep_the_originals(tmp_path):
+    """On the CPU the export's serving check plans vLLM's engine beside the export for a dense model;
+    for an MoE, whose NVFP4 experts vLLM's CPU build refuses as it builds the model, that process
+    alone. An evaluation of a quantized model holds its folded weights' originals on the host (all
+    quantized matrices, a tied LM head left out); the BF16 baseline none."""
+    from qad_pipeline.plan import memory_model
+    from tests.families import FAMILIES, SHAPE
+
+    phases = {}
+    for name in ("qwen3", "qwen3_moe"):
+        family = FAMILIES[name]
+        family.config(**SHAPE, **family.settings).save_pretrained(tmp_path / name)
+        params = load_params(PARAMS, [f"base_model.path={tmp_path / name}", *FIXED])
+        shape = memory.model_shape(params.base_model)
+        phases[name] = {ph.name: ph for stage in ("export", PTQ)
+                        for ph in memory_model.stage_phases(stage, params, shape, "cpu")}, shape
+        assert all(not ph.host for ph in memory_model.stage_phases("baseline", params, shape, "cpu"))
+    (dense, dense_shape), (moe, moe_shape) = phases["qwen3"], phases["qwen3_moe"]
+    assert moe_shape.routed_experts == 4 and dense_shape.routed_experts == 0
+    assert dense["serving_check"].host["vllm_process"] == memory_model.VLLM_CPU_PROCESS
+    assert {"vllm_kv_cache", "vllm_weights", "vllm_prompt_logits"} <= set(dense["serving_check"].host)
+    assert moe["serving_check"].host == {"exported_read_back": moe["serving_check"].host["exported_read_back"],
+                                         "vllm_process": memory_model.VLLM_CPU_MOE_REFUSED}
+    tied = dense_shape.vocab * dense_shape.hidden  # qwen3 here ties its LM head to the embeddings
+    assert dense["eval_stream"].host == {"folded_originals": (dense_shape.matrix_params - tied) * 2}
+    assert moe["lm_eval"].host == {"folded_originals": moe_shape.matrix_params * 2}

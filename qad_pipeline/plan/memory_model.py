@@ -20,6 +20,8 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       allocator keeps its freed blocks) + eval_logits c·V·(d + EVAL_LOGIT_BYTES)
                       + previous_chunk c·V·PREVIOUS_CHUNK_BYTES (still held by the loop), or in the
                       baseline reference_terms c·V·REFERENCE_WRITE_BYTES (top-k, tail samples)
+    folded_originals  a quantized model's weights are fake-quantized once per evaluation, their
+                      originals kept on the host: (Nw - V·H if the LM head is tied)·d
     lm_eval           lm_eval_harness LM_EVAL_HARNESS + B·R·V·d·LM_EVAL_LOGIT_COPIES + the forward,
                       R the longest request: LM_EVAL_PROJECT_TOKENS for the project's tasks, else
                       LM_EVAL_FOREIGN_TOKENS (lm-eval's default), capped by the model's maximum
@@ -50,7 +52,9 @@ phase is a sum of named terms (`StageEstimate.terms` are the peak phase's), in b
                       on the CPU, the serving check's vLLM process beside it (unless
                       export.serving_check is skip): VLLM_CPU_PROCESS + its KV-cache space
                       (VLLM_CPU_KVCACHE_SPACE) + the checkpoint's weights (at most N·d) + its
-                      prompt logits and their log-softmax (prompts·positions·V·4·2). On CUDA
+                      prompt logits and their log-softmax (prompts·positions·V·4·2); for an MoE
+                      VLLM_CPU_MOE_REFUSED alone (vLLM's CPU build refuses NVFP4 experts before
+                      it allocates: the check stops at the config level). On CUDA
                       vLLM's engine takes its share of the GPU (gpu_memory_utilization): not planned
 
 On CUDA the model's terms go to `device_bytes` (per GPU, + CUDA_CONTEXT) and the host keeps the
@@ -104,6 +108,10 @@ CUDA_HOST_EXTRA = 1 * GiB
 # the serving check's vLLM 0.32 process on the CPU without its KV cache: its two-layer models (the
 # architecture matrix's families, benchmarks/memory_bench.py) peaked at 2,174-2,176 MiB with 1 GiB of KV cache
 VLLM_CPU_PROCESS = 1150 * MiB
+# ... and where it refuses the model as it builds it (an MoE: vLLM 0.32's CPU build has no NVFP4 fused-MoE
+# kernel, serving/vllm_check.py CPU_LIMITS), before its KV cache or weights: the check stops at the config
+# level. Fitted: the matrix's Qwen3-MoE export peaked at 1,532 MiB, its process and vLLM's summed
+VLLM_CPU_MOE_REFUSED = 900 * MiB
 SAVE_SHARD = 50 * 10**9
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -192,13 +200,17 @@ def eval_phases(params: Params, shape: ModelShape, device: str, resident: dict[s
     elif chunks > 1:
         logits["previous_chunk"] = chunk * shape.vocab * PREVIOUS_CHUNK_BYTES
     fake_quant = _fake_quant(shape, device, static) if static is not None else {}
+    # a quantized model's weights are fake-quantized once for the evaluation (weight_folding), their
+    # originals stashed on the host: every quantized matrix but an LM head tied to the embeddings
+    folded = shape.matrix_params - (shape.vocab * shape.hidden if shape.tied_embeddings else 0)
+    host = {"folded_originals": folded * d} if static is not None else {}
     stream = {"hidden_states": rows * ev.seq_len * shape.hidden * d, **_forward(rows * ev.seq_len, shape, d),
               **logits, **fake_quant}
     r = _request_tokens(params, shape)
     lm_eval = {"lm_eval_harness": LM_EVAL_HARNESS, "lm_eval_logits": ev.batch_size * r * shape.vocab * d
                * LM_EVAL_LOGIT_COPIES, **_forward(ev.batch_size * r, shape, d), **fake_quant}
-    return [Phase("eval_stream", "eval.batch_size", resident, stream),
-            Phase("lm_eval", "eval.batch_size", resident, lm_eval)]
+    return [Phase("eval_stream", "eval.batch_size", resident, stream, host),
+            Phase("lm_eval", "eval.batch_size", resident, lm_eval, host)]
 
 
 def baseline_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
@@ -349,6 +361,9 @@ def _serving_check(params: Params, shape: ModelShape, device: str, resident: dic
 
     if device != "cpu" or params.export.serving_check == "skip":
         return []
+    if shape.routed_experts:  # every recipe quantizes the experts: vLLM refuses them as it builds the model
+        return [Phase("serving_check", None, resident, host={"exported_read_back": exported,
+                                                             "vllm_process": VLLM_CPU_MOE_REFUSED})]
     return [Phase("serving_check", None, resident, host={
         "exported_read_back": exported, "vllm_process": VLLM_CPU_PROCESS, "vllm_kv_cache": cpu_kv_cache_gib() * GiB,
         "vllm_weights": exported,

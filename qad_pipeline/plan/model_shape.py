@@ -35,6 +35,7 @@ class ModelShape:
     layer_hessian_elems: int = 0
     quantized_inputs: int = 0  # the summed input widths of those weights (local_hessian keeps 16 x 16 per block)
     gptq_update_flops: int = 0  # GPTQ's weight update over those weights: Σ 2·out·in² + in³/3 (Cholesky)
+    routed_experts: int = 0  # experts per MoE layer (0: a dense model)
 
 
 @lru_cache(maxsize=8)
@@ -73,6 +74,7 @@ def _shape(path: str, revision: str | None, trust_remote_code: bool) -> ModelSha
         active_matrix_params=sum(matrices) - idle, widest_row=widest,
         tied_embeddings=head is not None and head.weight is embeddings,
         hessian_elems=hessians, layer_hessian_elems=per_layer, quantized_inputs=inputs, gptq_update_flops=update,
+        routed_experts=total if routed else 0,
     )
 
 
