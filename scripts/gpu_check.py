@@ -128,6 +128,7 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
 
     from qad_pipeline.core.config import DEFAULT_PARAMS, load_params
     from qad_pipeline.core.layout import Layout
+    from qad_pipeline.plan.memory import settled_here
     from qad_pipeline.results.base import read_result
     from qad_pipeline.results.export_metrics import ExportMetrics
 
@@ -148,7 +149,8 @@ def run_model(check: Check, tag: str, model_path: Path | None, overrides: list[s
         model_path = check.run(tag, "build", build)
         if model_path is None:
             return
-    params = load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}"])
+    # each `auto` (QAD's batch and GPUs, the eval batch) as `qad-pipeline stage` settles it on this machine
+    params = settled_here(load_params(DEFAULT_PARAMS, [*overrides, f"base_model.path={model_path}"]))
     layout = Layout(work / tag)
     recipes = params.ptq.recipes
 
