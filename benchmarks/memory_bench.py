@@ -52,33 +52,27 @@ STAGES = ["calibration", "baseline", *(f"ptq/{r}" for r in RECIPES), "selection"
 # launcher also samples the summed RSS of the stage's process tree every 0.1 s and reports the
 # larger of the two.
 LAUNCHER = """
-import os, subprocess, sys, threading, time
-def rss_kb(pid):
+import os, subprocess, sys, threading
+import psutil
+def tree_rss_kb(pid):
     try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("VmRSS")), 0)
-    except OSError:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
         return 0
-def tree(pid):
-    kids = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-            except OSError:
-                pass
-    found, todo = [], [pid]
-    while todo:
-        found.append(todo.pop())
-        todo += kids.get(found[-1], [])
-    return found
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.Error:  # ended since
+            pass
+    return total // 1024
 with open(sys.argv[1], "w") as log:
     proc = subprocess.Popen(sys.argv[2:], stdout=log, stderr=subprocess.STDOUT)
     summed, ended = [0], threading.Event()
     def sample():
         while not ended.wait(0.1):
-            summed[0] = max(summed[0], sum(rss_kb(p) for p in tree(proc.pid)))
+            summed[0] = max(summed[0], tree_rss_kb(proc.pid))
     threading.Thread(target=sample, daemon=True).start()
     _, status, usage = os.wait4(proc.pid, 0)
     ended.set()

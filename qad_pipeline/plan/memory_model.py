@@ -362,13 +362,12 @@ def _serving_check(params: Params, shape: ModelShape, device: str, resident: dic
     if device != "cpu" or params.export.serving_check == "skip":
         return []
     if shape.routed_experts:  # every recipe quantizes the experts: vLLM refuses them as it builds the model
-        return [Phase("serving_check", None, resident, host={"exported_read_back": exported,
-                                                             "vllm_process": VLLM_CPU_MOE_REFUSED})]
-    return [Phase("serving_check", None, resident, host={
-        "exported_read_back": exported, "vllm_process": VLLM_CPU_PROCESS, "vllm_kv_cache": cpu_kv_cache_gib() * GiB,
-        "vllm_weights": exported,
-        # the prompt log-probs: float32 logits over the vocabulary at every prompt position, and their log-softmax
-        "vllm_prompt_logits": PROMPTS * PROMPT_LEN * shape.vocab * 4 * 2})]
+        vllm = {"vllm_process": VLLM_CPU_MOE_REFUSED}
+    else:
+        vllm = {"vllm_process": VLLM_CPU_PROCESS, "vllm_kv_cache": cpu_kv_cache_gib() * GiB, "vllm_weights": exported,
+                # the prompt log-probs: float32 logits over the vocabulary at every prompt position, and their log-softmax
+                "vllm_prompt_logits": PROMPTS * PROMPT_LEN * shape.vocab * 4 * 2}
+    return [Phase("serving_check", None, resident, host={"exported_read_back": exported, **vllm})]
 
 
 def sweep_phases(params: Params, shape: ModelShape, device: str, item: str | None = None) -> list[Phase]:
